@@ -1,0 +1,1 @@
+"""Voice activity detection, streaming ASR (sliding window + commit policy) and its engines."""

@@ -1,0 +1,250 @@
+"""Sliding-window streaming ASR (pure): which audio a pass covers, and what its result commits.
+
+The window starts at the current utterance's onset (or at the last trim point) and ends at the newest
+audio. A pass runs only while there is speech not yet decoded; its words go through LocalAgreement; the
+window is trimmed at the end of a fully committed segment once it is `trim_after_s` long, and never
+grows beyond `max_window_s`. When VAD reports the end of speech, one last pass over the audio up to
+there commits everything and the utterance is final.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from duplexd.asr.commit import LocalAgreement
+from duplexd.asr.engine import ASR_SAMPLE_RATE, Transcription
+from duplexd.config import AsrConfig
+from duplexd.errors import ErrorCode
+from duplexd.streaming.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
+
+_FORCE_KEEP_S = 3.0  # when forced to trim, keep this much of the newest audio uncommitted
+
+
+@dataclass(frozen=True, slots=True)
+class PassRequest:
+    """A snapshot for one engine pass: it stays valid while the stream moves on."""
+
+    audio: np.ndarray
+    prompt: str
+    start_sample: int
+    end_sample: int
+    final: bool  # covers the utterance up to its end of speech
+    generation: int  # which utterance it was taken for
+
+
+class AudioRing:
+    """A bounded buffer of the newest 16 kHz samples, addressed by absolute stream sample index."""
+
+    def __init__(self, capacity_samples: int) -> None:
+        self._buf = np.zeros(capacity_samples, np.float32)
+        self._start = 0  # absolute index of the oldest sample held
+        self._len = 0
+
+    @property
+    def start(self) -> int:
+        return self._start
+
+    @property
+    def end(self) -> int:
+        return self._start + self._len
+
+    def append(self, samples: np.ndarray) -> int:
+        """Append; returns how many of the oldest samples were dropped to stay within capacity."""
+        cap = len(self._buf)
+        samples = samples[-cap:]
+        overflow = max(0, self._len + len(samples) - cap)
+        if overflow:
+            self.drop_before(self._start + overflow)
+        self._buf[self._len : self._len + len(samples)] = samples
+        self._len += len(samples)
+        return overflow
+
+    def drop_before(self, index: int) -> None:
+        n = min(max(0, index - self._start), self._len)
+        if n:
+            self._buf[: self._len - n] = self._buf[n : self._len]
+            self._len -= n
+            self._start += n
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        start, end = max(start, self._start), min(end, self.end)
+        return self._buf[start - self._start : end - self._start].copy()
+
+
+class StreamingTranscriber:
+    def __init__(self, config: AsrConfig) -> None:
+        self._config = config
+        self._ring = AudioRing(int(config.ring_s * ASR_SAMPLE_RATE))
+        self._agreement = LocalAgreement(config.agreement_n)
+        self._prompt = ""
+        self._speaking = False
+        self._utterance = 0
+        self._generation = 0
+        self._active = False  # an utterance is open (speaking, or its final pass is still due)
+        self._window_start = 0
+        self._decoded_until = 0
+        self._final_end: int | None = None
+        self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
+        self._last_partial: tuple[tuple[Word, ...], int] | None = None
+        self._in_flight = False
+        self._prompt_until_s = 0.0
+
+    # -- audio and VAD -------------------------------------------------------------------------------
+
+    @property
+    def samples(self) -> int:
+        return self._ring.end
+
+    def append(self, samples: np.ndarray) -> list[Event]:
+        dropped = self._ring.append(samples)
+        if not self._active:
+            self._ring.drop_before(self._ring.end - int(self._config.preroll_s * ASR_SAMPLE_RATE))
+            return []
+        if dropped and self._ring.start > self._window_start:
+            # Passes fell so far behind that the bounded ring overflowed: say so, never silently.
+            lost_s = (self._ring.start - self._window_start) / ASR_SAMPLE_RATE
+            self._window_start = self._ring.start
+            self._decoded_until = max(self._decoded_until, self._window_start)
+            self._agreement.reset()
+            return [ErrorRaised(ErrorCode.ASR_BEHIND, f"recognizer fell behind; {lost_s:.2f}s of audio skipped")]
+        return []
+
+    def speech_started(self, t_s: float) -> None:
+        self._speaking = True
+        if not self._active:
+            self._open(max(int(t_s * ASR_SAMPLE_RATE), self._ring.start))
+
+    def speech_stopped(self, t_s: float) -> None:
+        self._speaking = False
+        if self._active:
+            self._final_end = min(max(int(t_s * ASR_SAMPLE_RATE), self._window_start), self._ring.end)
+
+    def _open(self, start: int) -> None:
+        self._active = True
+        self._utterance += 1
+        self._generation += 1
+        self._window_start = self._decoded_until = start
+        self._final_end = None
+        self._committed = []
+        self._last_partial = None
+        self._agreement.reset()
+
+    # -- passes --------------------------------------------------------------------------------------
+
+    def pending_since_s(self) -> float:
+        """Stream time of the oldest audio not yet covered by a pass (for fair scheduling)."""
+        return self._decoded_until / ASR_SAMPLE_RATE
+
+    def wants_pass(self) -> bool:
+        if not self._active or self._in_flight:
+            return False
+        if self._final_end is not None:
+            return True
+        return self._ring.end - self._decoded_until >= self._config.min_new_audio_s * ASR_SAMPLE_RATE
+
+    def prepare_pass(self) -> PassRequest:
+        if not self.wants_pass():
+            raise RuntimeError("prepare_pass() called with no pass due")
+        end = self._ring.end if self._final_end is None else self._final_end
+        limit = self._window_start + int(self._config.max_window_s * ASR_SAMPLE_RATE)
+        final = self._final_end is not None and end <= limit
+        end = min(end, limit)
+        self._in_flight = True
+        return PassRequest(
+            audio=self._ring.read(self._window_start, end),
+            prompt=self._prompt[-self._config.prompt_chars :] if self._config.prompt_chars else "",
+            start_sample=self._window_start,
+            end_sample=end,
+            final=final,
+            generation=self._generation,
+        )
+
+    @property
+    def pass_in_flight(self) -> bool:
+        return self._in_flight
+
+    def abort_pass(self, request: PassRequest) -> list[Event]:
+        """The engine failed on `request`: skip its audio (said aloud, not silently) so nothing spins."""
+        self._in_flight = False
+        if request.generation != self._generation or not self._active:
+            return []
+        self._decoded_until = max(self._decoded_until, request.end_sample)
+        events: list[Event] = [ErrorRaised(ErrorCode.INTERNAL, "speech recognition failed for part of the audio")]
+        if request.final:
+            events.extend(self.finish_final_without_pass())
+        return events
+
+    def finish_final_without_pass(self) -> list[Event]:
+        """End the open utterance with what is decoded so far (used when the stream itself ends)."""
+        if not self._active:
+            return []
+        return self._finalize(self._agreement.commit_all())
+
+    def apply_pass(self, request: PassRequest, result: Transcription) -> list[Event]:
+        self._in_flight = False
+        if request.generation != self._generation or not self._active:
+            return []
+        offset_s = request.start_sample / ASR_SAMPLE_RATE
+        words = [Word(w.text, w.start_s + offset_s, w.end_s + offset_s) for w in result.words]
+        self._decoded_until = max(self._decoded_until, request.end_sample)
+        newly = self._agreement.insert(words)
+        if request.final:
+            return self._finalize([*newly, *self._agreement.commit_all()])
+        self._committed.extend(newly)
+        self._trim(request, result)
+        return self._partial()
+
+    def _finalize(self, newly: list[Word]) -> list[Event]:
+        self._committed.extend(newly)
+        words = tuple(self._committed)
+        self._remember_prompt(words)
+        events: list[Event] = [UtteranceFinalized(self._utterance, words)] if words else []
+        end = self._final_end if self._final_end is not None else self._ring.end
+        self._active = False
+        self._final_end = None
+        self._window_start = self._decoded_until = end
+        self._committed = []
+        self._agreement.reset()
+        if self._speaking:  # speech resumed before the final pass came back: that is a new utterance
+            self._open(end)
+        else:
+            self._ring.drop_before(end - int(self._config.preroll_s * ASR_SAMPLE_RATE))
+        return events
+
+    def _partial(self) -> list[Event]:
+        words = (*self._committed, *self._agreement.tentative)
+        state = (words, len(self._committed))
+        if not words or state == self._last_partial:
+            return []
+        self._last_partial = state
+        return [TranscriptUpdated(self._utterance, words, len(self._committed))]
+
+    def _trim(self, request: PassRequest, result: Transcription) -> None:
+        window_s = (request.end_sample - self._window_start) / ASR_SAMPLE_RATE
+        if window_s < self._config.trim_after_s:
+            return
+        offset_s = request.start_sample / ASR_SAMPLE_RATE
+        committed_end_s = self._agreement.committed_end_s
+        cut_s: float | None = None
+        for seg in result.segments[:-1]:  # a segment followed by another one has really ended
+            if seg.end_s + offset_s <= committed_end_s + 1e-6:
+                cut_s = seg.end_s + offset_s
+        if cut_s is None and window_s >= self._config.max_window_s - _FORCE_KEEP_S:
+            # No committed segment end: force-commit all but the newest audio so the window stays bounded.
+            horizon_s = request.end_sample / ASR_SAMPLE_RATE - _FORCE_KEEP_S
+            self._committed.extend(self._agreement.commit_until(horizon_s))
+            cut_s = max(self._agreement.committed_end_s, self._window_start / ASR_SAMPLE_RATE)
+        if cut_s is not None and int(cut_s * ASR_SAMPLE_RATE) > self._window_start:
+            self._remember_prompt(tuple(w for w in self._committed if w.end_s <= cut_s + 1e-6))
+            self._window_start = int(cut_s * ASR_SAMPLE_RATE)
+            self._ring.drop_before(self._window_start)
+
+    def _remember_prompt(self, words: tuple[Word, ...]) -> None:
+        """Committed text that has left the window conditions later passes."""
+        fresh = [w for w in words if w.end_s > self._prompt_until_s]
+        if fresh:
+            text = " ".join(w.text for w in fresh)
+            self._prompt = (self._prompt + " " + text).strip()[-self._config.prompt_chars :]
+            self._prompt_until_s = fresh[-1].end_s

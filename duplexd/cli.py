@@ -1,0 +1,149 @@
+"""`duplexd serve | stream | bench | models` — the one entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from duplexd import __version__
+from duplexd.config import ServerConfig, load_config
+
+log = logging.getLogger("duplexd")
+
+
+def load_engines(config: ServerConfig):
+    from duplexd.asr.engine import FasterWhisperEngine
+    from duplexd.asr.vad import SileroVad
+
+    t0 = time.perf_counter()
+    vad = SileroVad(config.vad.model_path or None)
+    asr = FasterWhisperEngine(config.asr)
+    log.info(
+        "models loaded in %.1fs: VAD silero-vad (onnx), ASR %s (%s, beam %d)",
+        time.perf_counter() - t0,
+        asr.name,
+        config.asr.compute_type,
+        config.asr.beam_size,
+    )
+    return vad, asr
+
+
+async def serve(config: ServerConfig) -> None:
+    from duplexd.transport.server import STREAM_PATH, Server
+
+    vad, asr = load_engines(config)
+    server = Server(config, vad, asr)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    ready: asyncio.Future[int] = loop.create_future()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(server.run(stop, ready=ready))
+        port = await ready
+        host = config.transport.host
+        shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::") else host
+        log.info(
+            "duplexd %s listening on http://%s:%d/ (WebSocket ws://%s:%d%s)",
+            __version__,
+            shown,
+            port,
+            shown,
+            port,
+            STREAM_PATH,
+        )
+        print(f"duplexd ready: open http://{shown}:{port}/", flush=True)
+    log.info("stopped")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config, overrides={"transport": {"host": args.host, "port": args.port}})
+    asyncio.run(serve(config))
+    return 0
+
+
+def _cmd_stream(args: argparse.Namespace) -> int:
+    from duplexd.clients.stream import Received, stream_file
+
+    def show(got: Received) -> None:
+        ev = got.event
+        if args.json:
+            print(json.dumps(ev), flush=True)
+        elif ev["type"] == "transcript.partial":
+            print(f"\r\x1b[2K… {ev['text']}", end="", flush=True)
+        elif ev["type"] == "transcript.final":
+            print(f"\r\x1b[2K{ev['text']}", flush=True)
+        elif ev["type"] == "error":
+            print(f"\nerror {ev['code']}: {ev['message']}", file=sys.stderr, flush=True)
+
+    result = asyncio.run(stream_file(args.url, args.file, speed=args.speed, on_event=show))
+    return 0 if result.close_code in (None, 1000) else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from duplexd.bench import asr as bench_asr
+
+    if args.what == "asr":
+        return bench_asr.main(args)
+    raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from duplexd.asr.engine import default_asr_model
+    from duplexd.asr.vad import default_vad_model
+
+    print(json.dumps({"vad": str(default_vad_model()), "asr": str(default_asr_model())}, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="duplexd", description="Real-time streaming speech and duplex dialogue server"
+    )
+    parser.add_argument("--version", action="version", version=f"duplexd {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the server")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--config", type=Path, default=None, help="TOML config file")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("stream", help="stream an audio file to a server and print transcripts")
+    p.add_argument("file", type=Path)
+    p.add_argument("--url", default="ws://127.0.0.1:8000/v1/stream")
+    p.add_argument("--speed", type=float, default=1.0, help="times real time (default 1.0)")
+    p.add_argument("--json", action="store_true", help="print every server event as one JSON line")
+    p.set_defaults(func=_cmd_stream)
+
+    p = sub.add_parser("bench", help="run a benchmark and write JSON")
+    p.add_argument("what", choices=["asr"])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
+    )
+    p.add_argument("--quick", action="store_true", help="fewer clips and shorter streams (a smoke run)")
+    p.add_argument("--config", type=Path, default=None)
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("models", help="show where the embedded default models are")
+    p.set_defaults(func=_cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("faster_whisper").setLevel(logging.WARNING)
+    logging.getLogger("websockets.server").setLevel(logging.WARNING)
+    return int(args.func(args))

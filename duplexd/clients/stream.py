@@ -1,0 +1,131 @@
+"""A small Python client for the native protocol: stream a file (or any PCM) and collect the events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+from websockets.asyncio.client import ClientConnection, connect
+
+from duplexd.transport.protocol import PROTOCOL_VERSION, encode_audio_frame
+
+FRAME_MS = 20
+
+
+def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
+    """Read a WAV/FLAC file as mono PCM16 at its own sample rate."""
+    data, rate = sf.read(str(path), dtype="int16", always_2d=True)
+    mono = data.mean(axis=1).astype(np.int16) if data.shape[1] > 1 else data[:, 0]
+    return mono, int(rate)
+
+
+@dataclass(slots=True)
+class Received:
+    t: float  # time.monotonic() on arrival
+    event: dict[str, Any]
+
+
+@dataclass(slots=True)
+class StreamResult:
+    session_id: str
+    started_at: float  # monotonic time at which audio time 0 was sent
+    speed: float
+    events: list[Received] = field(default_factory=list)
+    close_code: int | None = None
+
+    def of_type(self, kind: str) -> list[Received]:
+        return [r for r in self.events if r.event.get("type") == kind]
+
+    @property
+    def finals(self) -> list[dict[str, Any]]:
+        return [r.event for r in self.of_type("transcript.final")]
+
+    @property
+    def text(self) -> str:
+        return " ".join(f["text"] for f in self.finals).strip()
+
+
+class StreamClient:
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.seq = 0
+
+    @classmethod
+    async def connect(cls, url: str) -> StreamClient:
+        return cls(await connect(url, max_size=2**22, open_timeout=30))
+
+    async def start(self, sample_rate: int, **extra: Any) -> dict[str, Any]:
+        await self.ws.send(
+            json.dumps({"type": "session.start", "version": PROTOCOL_VERSION, "sample_rate": sample_rate, **extra})
+        )
+        reply = json.loads(await self.ws.recv())
+        if reply.get("type") != "session.started":
+            raise RuntimeError(f"session refused: {reply}")
+        return reply
+
+    async def send_pcm(self, pcm: bytes) -> None:
+        self.seq += 1
+        await self.ws.send(encode_audio_frame(self.seq, pcm))
+
+    async def end(self) -> None:
+        await self.ws.send(json.dumps({"type": "session.end"}))
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+async def stream_pcm(
+    url: str,
+    pcm: np.ndarray,
+    sample_rate: int,
+    *,
+    speed: float = 1.0,
+    on_event: Callable[[Received], None] | None = None,
+) -> StreamResult:
+    """Stream int16 mono `pcm` in 20 ms frames at `speed` x real time; return every event received."""
+    client = await StreamClient.connect(url)
+    try:
+        started = await client.start(sample_rate)
+        t0 = time.monotonic()
+        result = StreamResult(started["session_id"], t0, speed)
+
+        async def receive() -> None:
+            async for raw in client.ws:
+                if isinstance(raw, bytes):
+                    continue
+                got = Received(time.monotonic(), json.loads(raw))
+                result.events.append(got)
+                if on_event is not None:
+                    on_event(got)
+                if got.event.get("type") == "session.ended":
+                    return
+
+        async with asyncio.TaskGroup() as tg:
+            receiver = tg.create_task(receive())
+            step = sample_rate * FRAME_MS // 1000
+            for i, start in enumerate(range(0, len(pcm), step)):
+                due = t0 + (i * FRAME_MS / 1000) / speed
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await client.send_pcm(pcm[start : start + step].astype("<i2").tobytes())
+            await client.end()
+            await receiver
+    finally:
+        await client.close()
+    result.close_code = client.ws.close_code
+    return result
+
+
+async def stream_file(
+    url: str, path: str | Path, *, speed: float = 1.0, on_event: Callable[[Received], None] | None = None
+) -> StreamResult:
+    pcm, rate = read_audio(path)
+    return await stream_pcm(url, pcm, rate, speed=speed, on_event=on_event)

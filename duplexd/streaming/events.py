@@ -1,0 +1,65 @@
+"""Events the session core emits. Frozen, past tense, times in stream seconds (`_s`) unless named."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from duplexd.errors import ErrorCode
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    text: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FrameAcked:
+    seq: int
+    lag_ms: float
+    max_lag_ms: float  # worst lag of any frame since the previous ack
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechStarted:
+    t_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechStopped:
+    t_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TranscriptUpdated:
+    """Partial transcript of the current utterance: `words[:committed]` are final, the rest may change."""
+
+    utterance: int
+    words: tuple[Word, ...]
+    committed: int
+
+    @property
+    def text(self) -> str:
+        return " ".join(w.text for w in self.words)
+
+
+@dataclass(frozen=True, slots=True)
+class UtteranceFinalized:
+    utterance: int
+    words: tuple[Word, ...]
+
+    @property
+    def text(self) -> str:
+        return " ".join(w.text for w in self.words)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorRaised:
+    """A non-fatal problem the client should hear about (the session goes on)."""
+
+    code: ErrorCode
+    message: str
+
+
+Event = FrameAcked | SpeechStarted | SpeechStopped | TranscriptUpdated | UtteranceFinalized | ErrorRaised

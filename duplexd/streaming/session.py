@@ -1,0 +1,123 @@
+"""One client's stream: frames in, events out. Pure: the shell runs the VAD and ASR engines on workers
+and hands their results back; `now` (seconds, any monotonic clock) is always passed in.
+
+    frame -> accept_frame() -> VAD chunks -> [VAD worker] -> apply_vad() -> events (+ frame.ack)
+    wants_pass() -> prepare_pass() -> [ASR worker] -> apply_pass() -> transcript events
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from duplexd.asr.engine import Transcription
+from duplexd.asr.streaming import PassRequest, StreamingTranscriber
+from duplexd.asr.vad import VAD_CHUNK_SAMPLES, VAD_SAMPLE_RATE, VadHysteresis, VadStream
+from duplexd.config import ServerConfig
+from duplexd.errors import ErrorCode, ProtocolError
+from duplexd.streaming.audio import StreamResampler, pcm16_to_float
+from duplexd.streaming.events import Event, FrameAcked, SpeechStarted, SpeechStopped
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    seq: int
+    arrived: float
+    audio_ms: float
+
+
+class Session:
+    def __init__(self, session_id: str, sample_rate: int, config: ServerConfig) -> None:
+        self.id = session_id
+        self.sample_rate = sample_rate
+        self._config = config
+        self._resampler = StreamResampler(sample_rate, VAD_SAMPLE_RATE)
+        self.vad_stream = VadStream()
+        self._hysteresis = VadHysteresis(config.vad)
+        self.transcriber = StreamingTranscriber(config.asr)
+        self._vad_buf = np.zeros(0, np.float32)
+        self._vad_done = 0  # 16 kHz samples evaluated by VAD
+        self._last_seq: int | None = None
+        self._pending: deque[_Pending] = deque(maxlen=64)
+        self._since_ack_ms = 0.0
+        self._worst_lag_ms = 0.0
+        self.frames = 0
+        self.lags_ms: deque[float] = deque(maxlen=4096)  # recent per-frame lags, for metrics
+
+    @property
+    def stream_s(self) -> float:
+        return self.transcriber.samples / VAD_SAMPLE_RATE
+
+    def accept_frame(self, seq: int, pcm: bytes, now: float) -> np.ndarray:
+        """Take one audio frame; returns the complete VAD chunks it makes ready, shape (k, 512)."""
+        if self._last_seq is not None and seq <= self._last_seq:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"frame seq {seq} after {self._last_seq}; frame dropped")
+        self._last_seq = seq
+        samples = pcm16_to_float(pcm)
+        self._pending.append(_Pending(seq, now, 1000.0 * len(samples) / self.sample_rate))
+        return self._take_chunks(self._resampler.push(samples))
+
+    def flush_audio(self) -> np.ndarray:
+        """At the end of the stream: the resampler's tail, and a last chunk padded with silence."""
+        tail = self._resampler.flush()
+        pad = (-(len(self._vad_buf) + len(tail))) % VAD_CHUNK_SAMPLES
+        return self._take_chunks(np.concatenate([tail, np.zeros(pad, np.float32)]))
+
+    def _take_chunks(self, samples: np.ndarray) -> np.ndarray:
+        self._vad_buf = np.concatenate([self._vad_buf, samples])
+        k = len(self._vad_buf) // VAD_CHUNK_SAMPLES
+        chunks = self._vad_buf[: k * VAD_CHUNK_SAMPLES].reshape(k, VAD_CHUNK_SAMPLES)
+        self._vad_buf = self._vad_buf[k * VAD_CHUNK_SAMPLES :]
+        return chunks
+
+    def apply_vad(self, chunks: np.ndarray, probs: np.ndarray, now: float) -> list[Event]:
+        """Apply VAD results for the chunks `accept_frame` returned; the frames behind them are now done."""
+        events: list[Event] = []
+        for chunk, prob in zip(chunks, probs, strict=True):
+            events.extend(self.transcriber.append(chunk))
+            t0 = self._vad_done / VAD_SAMPLE_RATE
+            self._vad_done += VAD_CHUNK_SAMPLES
+            change = self._hysteresis.push(float(prob), t0)
+            if isinstance(change, SpeechStarted):
+                self.transcriber.speech_started(change.t_s)
+                events.append(change)
+            elif isinstance(change, SpeechStopped):
+                self.transcriber.speech_stopped(change.t_s)
+                events.append(change)
+        events.extend(self._ack(now))
+        return events
+
+    def _ack(self, now: float) -> list[Event]:
+        acked = None
+        while self._pending:
+            frame = self._pending.popleft()
+            lag_ms = 1000.0 * (now - frame.arrived)
+            self.lags_ms.append(lag_ms)
+            self.frames += 1
+            self._worst_lag_ms = max(self._worst_lag_ms, lag_ms)
+            self._since_ack_ms += frame.audio_ms
+            if self._since_ack_ms >= self._config.transport.ack_interval_ms:
+                acked = FrameAcked(frame.seq, lag_ms, self._worst_lag_ms)
+                self._since_ack_ms = 0.0
+                self._worst_lag_ms = 0.0
+        return [acked] if acked else []
+
+    def end_of_stream(self) -> None:
+        """No more audio: an open utterance gets its final pass over what was heard."""
+        if self._hysteresis.speaking:
+            self.transcriber.speech_stopped(self.stream_s)
+
+    # ASR scheduling, delegated to the transcriber.
+    def wants_pass(self) -> bool:
+        return self.transcriber.wants_pass()
+
+    def pending_since_s(self) -> float:
+        return self.transcriber.pending_since_s()
+
+    def prepare_pass(self) -> PassRequest:
+        return self.transcriber.prepare_pass()
+
+    def apply_pass(self, request: PassRequest, result: Transcription) -> list[Event]:
+        return self.transcriber.apply_pass(request, result)

@@ -1,0 +1,1 @@
+"""The I/O shell: WebSocket server, wire protocol, HTTP routes."""

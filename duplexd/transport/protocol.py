@@ -1,0 +1,166 @@
+"""Wire protocol v1 (docs/protocol.md): parsing client messages, encoding server events.
+
+Pure: bytes/str in, typed messages out, or a `ProtocolError` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+from typing import Any
+
+from duplexd.errors import ErrorCode, ProtocolError
+from duplexd.streaming import events as ev
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+
+
+class ClientType(StrEnum):
+    SESSION_START = "session.start"
+    SESSION_END = "session.end"
+
+
+class ServerType(StrEnum):
+    SESSION_STARTED = "session.started"
+    SESSION_ENDED = "session.ended"
+    FRAME_ACK = "frame.ack"
+    SPEECH_STARTED = "vad.speech_started"
+    SPEECH_STOPPED = "vad.speech_stopped"
+    TRANSCRIPT_PARTIAL = "transcript.partial"
+    TRANSCRIPT_FINAL = "transcript.final"
+    ERROR = "error"
+
+
+class BinaryKind(IntEnum):
+    """First byte of every binary message."""
+
+    AUDIO_IN = 1  # client -> server: PCM16 LE mono at the session's sample rate
+
+
+# kind (u8), 3 reserved zero bytes, sequence number (u32 LE); 8 bytes keep the PCM16 payload aligned.
+BINARY_HEADER = struct.Struct("<B3xI")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStart:
+    version: int
+    sample_rate: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnd:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class AudioFrame:
+    seq: int
+    pcm: bytes  # PCM16 LE mono, an even number of bytes, at least one sample
+
+
+ClientMessage = SessionStart | SessionEnd | AudioFrame
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    min_sample_rate: int
+    max_sample_rate: int
+    max_frame_ms: int
+    max_message_bytes: int
+
+
+def parse_text(data: str, limits: Limits) -> SessionStart | SessionEnd:
+    try:
+        msg = json.loads(data)
+    except (json.JSONDecodeError, RecursionError):
+        raise ProtocolError(ErrorCode.BAD_JSON, "message is not valid JSON") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "message must be a JSON object")
+    kind = msg.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "message needs a string 'type'")
+    if kind == ClientType.SESSION_START:
+        return _parse_start(msg, limits)
+    if kind == ClientType.SESSION_END:
+        return SessionEnd()
+    raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind[:64]!r}")
+
+
+def _parse_start(msg: dict[str, Any], limits: Limits) -> SessionStart:
+    version = msg.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"protocol version {version!r} is not supported (supported: {sorted(SUPPORTED_VERSIONS)})",
+            fatal=True,
+        )
+    rate = msg.get("sample_rate")
+    if not isinstance(rate, int) or isinstance(rate, bool):
+        raise ProtocolError(ErrorCode.BAD_SAMPLE_RATE, "sample_rate must be an integer (Hz)", fatal=True)
+    if not limits.min_sample_rate <= rate <= limits.max_sample_rate:
+        raise ProtocolError(
+            ErrorCode.BAD_SAMPLE_RATE,
+            f"sample_rate {rate} Hz is outside [{limits.min_sample_rate}, {limits.max_sample_rate}]",
+            fatal=True,
+        )
+    return SessionStart(version=version, sample_rate=rate)
+
+
+def parse_binary(data: bytes, sample_rate: int, limits: Limits) -> AudioFrame:
+    if len(data) < BINARY_HEADER.size:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"binary message shorter than its {BINARY_HEADER.size}-byte header")
+    kind, seq = BINARY_HEADER.unpack_from(data)
+    if kind != BinaryKind.AUDIO_IN:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown binary message kind {kind}")
+    pcm = data[BINARY_HEADER.size :]
+    if not pcm or len(pcm) % 2:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"audio payload of {len(pcm)} bytes is not whole PCM16 samples")
+    max_samples = sample_rate * limits.max_frame_ms // 1000
+    if len(pcm) // 2 > max_samples:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LONG,
+            f"audio frame of {len(pcm) // 2} samples exceeds max_frame_ms={limits.max_frame_ms}",
+        )
+    return AudioFrame(seq=seq, pcm=bytes(pcm))
+
+
+def encode_audio_frame(seq: int, pcm: bytes) -> bytes:
+    return BINARY_HEADER.pack(BinaryKind.AUDIO_IN, seq & 0xFFFFFFFF) + pcm
+
+
+def _words(words: tuple[ev.Word, ...]) -> list[dict[str, Any]]:
+    return [{"w": w.text, "start": round(w.start_s, 3), "end": round(w.end_s, 3)} for w in words]
+
+
+def encode_event(event: ev.Event) -> dict[str, Any]:
+    match event:
+        case ev.FrameAcked(seq=seq, lag_ms=lag, max_lag_ms=worst):
+            return {"type": ServerType.FRAME_ACK, "seq": seq, "lag_ms": round(lag, 2), "max_lag_ms": round(worst, 2)}
+        case ev.SpeechStarted(t_s=t):
+            return {"type": ServerType.SPEECH_STARTED, "t": round(t, 3)}
+        case ev.SpeechStopped(t_s=t):
+            return {"type": ServerType.SPEECH_STOPPED, "t": round(t, 3)}
+        case ev.TranscriptUpdated(utterance=u, words=words, committed=c):
+            return {
+                "type": ServerType.TRANSCRIPT_PARTIAL,
+                "utterance": u,
+                "text": event.text,
+                "words": _words(words),
+                "committed": c,
+            }
+        case ev.UtteranceFinalized(utterance=u, words=words):
+            return {"type": ServerType.TRANSCRIPT_FINAL, "utterance": u, "text": event.text, "words": _words(words)}
+        case ev.ErrorRaised(code=code, message=message):
+            return error_message(code, message)
+    raise TypeError(f"no wire encoding for {type(event).__name__}")
+
+
+def error_message(code: ErrorCode, message: str) -> dict[str, Any]:
+    return {"type": ServerType.ERROR, "code": str(code), "message": message}
+
+
+def dumps(msg: dict[str, Any]) -> str:
+    return json.dumps(msg, separators=(",", ":"))
