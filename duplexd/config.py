@@ -171,9 +171,11 @@ def load_config(
         if not key.startswith("DUPLEXD_") or "__" not in key:
             continue
         section, _, name = key[len("DUPLEXD_") :].lower().partition("__")
-        if section in merged:
+        if section in merged:  # other sections may belong to other tools (e.g. DUPLEXD_BENCH__...)
             merged[section][name] = value
     for section, values in (overrides or {}).items():
+        if section not in merged:
+            raise ValueError(f"unknown config section {section!r}")
         merged[section].update({k: v for k, v in values.items() if v is not None})
     hints = typing.get_type_hints(ServerConfig)
     return ServerConfig(**{s: _section(hints[s], v, s) for s, v in merged.items()})

@@ -52,10 +52,10 @@ class LocalAgreement:
                 else:
                     break
         k = len(committed)
+        self._tentative = fresh[k:]  # before the loop below trims `fresh` itself (it joins _previous when n >= 2)
         self._previous.append(fresh)
         for h in self._previous:
             del h[:k]
-        self._tentative = fresh[k:]
         self._remember(committed)
         return committed
 

@@ -9,6 +9,7 @@ there commits everything and the utterance is final.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,8 @@ from duplexd.config import AsrConfig
 from duplexd.errors import ErrorCode
 from duplexd.streaming.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
 
-_FORCE_KEEP_S = 3.0  # when forced to trim, keep this much of the newest audio uncommitted
+_FORCE_KEEP_S = 3.0
+_MAX_QUEUED = 64  # when forced to trim, keep this much of the newest audio uncommitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +55,15 @@ class AudioRing:
     def append(self, samples: np.ndarray) -> int:
         """Append; returns how many of the oldest samples were dropped to stay within capacity."""
         cap = len(self._buf)
-        samples = samples[-cap:]
+        skipped = max(0, len(samples) - cap)  # leading samples that cannot fit still advance the index
+        samples = samples[skipped:]
         overflow = max(0, self._len + len(samples) - cap)
         if overflow:
             self.drop_before(self._start + overflow)
+        self._start += skipped
         self._buf[self._len : self._len + len(samples)] = samples
         self._len += len(samples)
-        return overflow
+        return overflow + skipped
 
     def drop_before(self, index: int) -> None:
         n = min(max(0, index - self._start), self._len)
@@ -79,7 +83,7 @@ class StreamingTranscriber:
         self._ring = AudioRing(int(config.ring_s * ASR_SAMPLE_RATE))
         self._agreement = LocalAgreement(config.agreement_n)
         self._prompt = ""
-        self._speaking = False
+        self._queued: deque[list[int | None]] = deque(maxlen=_MAX_QUEUED)  # later [start, end] speech
         self._utterance = 0
         self._generation = 0
         self._active = False  # an utterance is open (speaking, or its final pass is still due)
@@ -89,6 +93,7 @@ class StreamingTranscriber:
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
         self._last_partial: tuple[tuple[Word, ...], int] | None = None
         self._in_flight = False
+        self._behind = False  # the ring overflowed and no pass has come back since
         self._prompt_until_s = 0.0
 
     # -- audio and VAD -------------------------------------------------------------------------------
@@ -103,23 +108,36 @@ class StreamingTranscriber:
             self._ring.drop_before(self._ring.end - int(self._config.preroll_s * ASR_SAMPLE_RATE))
             return []
         if dropped and self._ring.start > self._window_start:
-            # Passes fell so far behind that the bounded ring overflowed: say so, never silently.
+            # Passes fell so far behind that the bounded ring overflowed: say so (once until the recognizer
+            # catches up), never silently.
             lost_s = (self._ring.start - self._window_start) / ASR_SAMPLE_RATE
             self._window_start = self._ring.start
             self._decoded_until = max(self._decoded_until, self._window_start)
             self._agreement.reset()
-            return [ErrorRaised(ErrorCode.ASR_BEHIND, f"recognizer fell behind; {lost_s:.2f}s of audio skipped")]
+            if not self._behind:
+                self._behind = True
+                return [ErrorRaised(ErrorCode.ASR_BEHIND, f"recognizer fell behind; {lost_s:.2f}s of audio skipped")]
         return []
 
     def speech_started(self, t_s: float) -> None:
-        self._speaking = True
+        start = max(int(t_s * ASR_SAMPLE_RATE), self._ring.start)
         if not self._active:
-            self._open(max(int(t_s * ASR_SAMPLE_RATE), self._ring.start))
+            self._open(start)
+        elif self._final_end is not None:
+            # Speech resumed before the last utterance's final pass: it is the next utterance, queued.
+            if len(self._queued) == self._queued.maxlen:
+                self._queued[-1][1] = None  # bounded: the newest speech extends the last queued utterance
+            else:
+                self._queued.append([start, None])
 
     def speech_stopped(self, t_s: float) -> None:
-        self._speaking = False
-        if self._active:
-            self._final_end = min(max(int(t_s * ASR_SAMPLE_RATE), self._window_start), self._ring.end)
+        if not self._active:
+            return
+        end = int(t_s * ASR_SAMPLE_RATE)
+        if self._final_end is None:
+            self._final_end = min(max(end, self._window_start), self._ring.end)
+        elif self._queued and self._queued[-1][1] is None:
+            self._queued[-1][1] = end
 
     def _open(self, start: int) -> None:
         self._active = True
@@ -184,6 +202,7 @@ class StreamingTranscriber:
 
     def apply_pass(self, request: PassRequest, result: Transcription) -> list[Event]:
         self._in_flight = False
+        self._behind = False
         if request.generation != self._generation or not self._active:
             return []
         offset_s = request.start_sample / ASR_SAMPLE_RATE
@@ -207,8 +226,10 @@ class StreamingTranscriber:
         self._window_start = self._decoded_until = end
         self._committed = []
         self._agreement.reset()
-        if self._speaking:  # speech resumed before the final pass came back: that is a new utterance
+        if self._queued:  # speech resumed before this final pass came back: it is the next utterance
+            _start, next_end = self._queued.popleft()
             self._open(end)
+            self._final_end = None if next_end is None else min(next_end, self._ring.end)
         else:
             self._ring.drop_before(end - int(self._config.preroll_s * ASR_SAMPLE_RATE))
         return events

@@ -13,7 +13,7 @@ def pcm16_to_float(pcm: bytes) -> np.ndarray:
 
 
 def float_to_pcm16(samples: np.ndarray) -> bytes:
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    return np.clip(np.round(samples * 32768.0), -32768, 32767).astype("<i2").tobytes()
 
 
 class StreamResampler:

@@ -90,19 +90,21 @@ class Session:
         return events
 
     def _ack(self, now: float) -> list[Event]:
-        acked = None
+        """Every frame whose chunks are now evaluated is done; ack once `ack_interval_ms` of audio is due."""
+        last: _Pending | None = None
         while self._pending:
-            frame = self._pending.popleft()
-            lag_ms = 1000.0 * (now - frame.arrived)
+            last = self._pending.popleft()
+            lag_ms = 1000.0 * (now - last.arrived)
             self.lags_ms.append(lag_ms)
             self.frames += 1
             self._worst_lag_ms = max(self._worst_lag_ms, lag_ms)
-            self._since_ack_ms += frame.audio_ms
-            if self._since_ack_ms >= self._config.transport.ack_interval_ms:
-                acked = FrameAcked(frame.seq, lag_ms, self._worst_lag_ms)
-                self._since_ack_ms = 0.0
-                self._worst_lag_ms = 0.0
-        return [acked] if acked else []
+            self._since_ack_ms += last.audio_ms
+        if last is None or self._since_ack_ms < self._config.transport.ack_interval_ms:
+            return []
+        acked = FrameAcked(last.seq, 1000.0 * (now - last.arrived), self._worst_lag_ms)
+        self._since_ack_ms = 0.0
+        self._worst_lag_ms = 0.0
+        return [acked]
 
     def end_of_stream(self) -> None:
         """No more audio: an open utterance gets its final pass over what was heard."""

@@ -1,0 +1,190 @@
+"""`duplexd bench asr`: streaming vs offline WER, word latencies, ASR cost, and 1/2/4 concurrent streams.
+
+Everything is measured in one run on this machine: the offline transcription of the same clips by the
+same model is the accuracy baseline; a real `duplexd serve` child process serves real-time-paced clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from duplexd.bench.data import Clip, load_clips, wer
+from duplexd.bench.latency import WordTiming, percentile, word_timings
+from duplexd.bench.server import health, server_process
+from duplexd.clients.stream import read_audio, stream_pcm
+from duplexd.config import load_config
+from duplexd.streaming.events import Word
+
+RATE = 16_000
+GAP_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """What one client streams: clips laid end to end with silence between them."""
+
+    pcm: np.ndarray
+    words: list[Word]  # offline words in stream time
+    refs: list[str]
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.pcm) / RATE
+
+
+def _offline(clips: list[Clip], config_path: Path | None) -> tuple[dict[Path, list[Word]], dict[Path, str], float]:
+    from duplexd.asr.engine import FasterWhisperEngine
+
+    engine = FasterWhisperEngine(load_config(config_path).asr)
+    words: dict[Path, list[Word]] = {}
+    texts: dict[Path, str] = {}
+    busy = 0.0
+    for clip in clips:
+        pcm, rate = read_audio(clip.path)
+        assert rate == RATE, f"{clip.path} is not 16 kHz"
+        t0 = time.perf_counter()
+        result = engine.transcribe(pcm.astype(np.float32) / 32768.0, "")
+        busy += time.perf_counter() - t0
+        words[clip.path] = result.words
+        texts[clip.path] = " ".join(w.text for w in result.words)
+    return words, texts, busy
+
+
+def _program(clips: list[Clip], offline: dict[Path, list[Word]], target_s: float, rotate: int) -> Program:
+    parts: list[np.ndarray] = []
+    words: list[Word] = []
+    refs: list[str] = []
+    t = 0.0
+    i = rotate
+    while True:  # at least one clip, then until target_s (each clip at most once)
+        clip = clips[i % len(clips)]
+        i += 1
+        pcm, _ = read_audio(clip.path)
+        parts += [pcm, np.zeros(int(GAP_S * RATE), np.int16)]
+        words += [Word(w.text, w.start_s + t, w.end_s + t) for w in offline[clip.path]]
+        refs.append(clip.text or "")
+        t += len(pcm) / RATE + GAP_S
+        if t >= target_s or i - rotate >= len(clips):
+            break
+    return Program(np.concatenate(parts), words, refs)
+
+
+def _stats(timings: list[WordTiming]) -> dict[str, float | None]:
+    partial = [t.partial_latency_s for t in timings]
+    commit = [t.commit_latency_s for t in timings]
+    return {
+        "partial_latency_p50_s": percentile(partial, 50),
+        "partial_latency_p90_s": percentile(partial, 90),
+        "commit_latency_p50_s": percentile(commit, 50),
+        "commit_latency_p90_s": percentile(commit, 90),
+        "words_timed": len(timings),
+    }
+
+
+async def _run_streams(url: str, programs: list[Program]) -> list[Any]:
+    return await asyncio.gather(*(stream_pcm(url, p.pcm, RATE) for p in programs))
+
+
+def _frame_lag_p99(results: list[Any]) -> float | None:
+    lags = [r.event["max_lag_ms"] for res in results for r in res.of_type("frame.ack")]
+    return percentile(lags, 99)
+
+
+def _growth(timings: list[WordTiming], duration_s: float) -> float | None:
+    first = [t.partial_latency_s for t in timings if t.audio_end_s < duration_s / 2]
+    second = [t.partial_latency_s for t in timings if t.audio_end_s >= duration_s / 2]
+    a, b = percentile(first, 50), percentile(second, 50)
+    return None if not a or b is None else b / a
+
+
+def run(data: Path | None, config_path: Path | None, quick: bool) -> dict[str, Any]:
+    clips = [c for c in load_clips(data) if c.text]
+    if quick:
+        clips = clips[:5]
+    long_s = 20.0 if quick else 60.0
+    print(f"offline transcription of {len(clips)} clips ...", flush=True)
+    offline, offline_text, offline_busy = _offline(clips, config_path)
+    audio_s = sum(len(read_audio(c.path)[0]) / RATE for c in clips)
+    out: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "clips": len(clips),
+        "audio_s": round(audio_s, 2),
+        "wer_offline": wer([c.text or "" for c in clips], [offline_text[c.path] for c in clips]),
+        "offline_rtf": offline_busy / audio_s,
+    }
+    with server_process(config_path) as port:
+        url = f"ws://127.0.0.1:{port}/v1/stream"
+        before = health(port)["asr"]
+        print(f"1 stream, {len(clips)} clips one after another at real time ...", flush=True)
+        texts, timings = [], []
+        for clip in clips:
+            program = _program([clip], offline, 0.0, 0)
+            (result,) = asyncio.run(_run_streams(url, [program]))
+            texts.append(result.text)
+            timings += word_timings(result, program.words)
+        after = health(port)["asr"]
+        out["wer_streaming"] = wer([c.text or "" for c in clips], texts)
+        out["wer_relative_to_offline"] = out["wer_streaming"] / out["wer_offline"] if out["wer_offline"] else None
+        out.update(_stats(timings))
+        streamed_s = audio_s + GAP_S * len(clips)
+        out["rtf"] = (after["busy_s"] - before["busy_s"]) / streamed_s
+        out["passes_per_audio_s"] = (after["passes"] - before["passes"]) / streamed_s
+        out["concurrency"] = {}
+        for n in (1, 2, 4):
+            print(f"{n} concurrent stream(s) of {long_s:.0f} s ...", flush=True)
+            programs = [_program(clips, offline, long_s, rotate=3 * k) for k in range(n)]
+            results = asyncio.run(_run_streams(url, programs))
+            all_timings = []
+            growth = []
+            for program, result in zip(programs, results, strict=True):
+                t = word_timings(result, program.words)
+                all_timings += t
+                growth.append(_growth(t, program.duration_s))
+            out["concurrency"][str(n)] = {
+                **_stats(all_timings),
+                "frame_lag_p99_ms": _frame_lag_p99(results),
+                "wer_streaming": wer([" ".join(p.refs) for p in programs], [r.text for r in results]),
+                "partial_latency_growth": max((g for g in growth if g is not None), default=None),
+                "stream_s": round(max(p.duration_s for p in programs), 1),
+            }
+    return out
+
+
+def table(r: dict[str, Any]) -> str:
+    def f(v: Any, unit: str = "") -> str:
+        return "—" if v is None else f"{v:.2f}{unit}" if isinstance(v, float) else f"{v}{unit}"
+
+    lines = [
+        f"WER streaming {f(r['wer_streaming'])} vs offline {f(r['wer_offline'])} "
+        f"(ratio {f(r['wer_relative_to_offline'])}); rtf {f(r['rtf'])}; passes/audio s {f(r['passes_per_audio_s'])}",
+        "| streams | partial p50 | partial p90 | commit p50 | commit p90 | frame lag p99 | WER | growth |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, c in r["concurrency"].items():
+        lines.append(
+            f"| {n} | {f(c['partial_latency_p50_s'], ' s')} | {f(c['partial_latency_p90_s'], ' s')} "
+            f"| {f(c['commit_latency_p50_s'], ' s')} | {f(c['commit_latency_p90_s'], ' s')} "
+            f"| {f(c['frame_lag_p99_ms'], ' ms')} | {f(c['wer_streaming'])} | {f(c['partial_latency_growth'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args.data, args.config, args.quick)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    print(f"wrote {args.out}")
+    return 0
+
+
+__all__ = ["Program", "asdict", "main", "run", "table"]

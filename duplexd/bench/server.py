@@ -1,0 +1,53 @@
+"""Run a real `duplexd serve` in a child process for benchmarks (clients stay in this process)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+        return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def server_process(config: Path | None = None, *, timeout_s: float = 120.0) -> Iterator[int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "duplexd", "serve", "--port", str(port)]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"duplexd serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                health(port)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("duplexd serve did not come up") from None
+                time.sleep(0.2)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -1,0 +1,394 @@
+"""StreamingTranscriber and AudioRing, driven with literal transcriptions (no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duplexd.asr.engine import Segment, Transcription
+from duplexd.asr.streaming import AudioRing, PassRequest, StreamingTranscriber
+from duplexd.config import AsrConfig
+from duplexd.errors import ErrorCode
+from duplexd.streaming.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
+
+SR = 16_000
+CHUNK = 512
+
+
+def result(*segments: list[tuple[str, float, float]]) -> Transcription:
+    """A pass result; word times are relative to the window start, as an engine reports them."""
+    return Transcription(
+        tuple(
+            Segment(seg[0][1], seg[-1][2], tuple(Word(*w) for w in seg), no_speech_prob=0.0, avg_logprob=-0.1)
+            for seg in segments
+        )
+    )
+
+
+def feed(t: StreamingTranscriber, seconds: float, chunk: int = CHUNK) -> list[Event]:
+    """Append `seconds` of audio whose sample values are their absolute indices / 1e6."""
+    events: list[Event] = []
+    stop = t.samples + round(seconds * SR)
+    while t.samples < stop:
+        start = t.samples
+        events += t.append(np.arange(start, min(start + chunk, stop), dtype=np.float32) / 1e6)
+    return events
+
+
+def texts(words: tuple[Word, ...]) -> list[str]:
+    return [w.text for w in words]
+
+
+HELLO = [("hello", 0.1, 0.4), ("world", 0.5, 0.9)]
+HELLO_AGAIN = [*HELLO, ("again", 1.0, 1.3)]
+
+
+def test_no_pass_while_there_is_only_silence() -> None:
+    t = StreamingTranscriber(AsrConfig())
+    assert feed(t, 5.0) == []
+    assert t.samples == 5 * SR
+    assert not t.wants_pass()
+    with pytest.raises(RuntimeError):
+        t.prepare_pass()
+    # Only the preroll (0.5 s) is kept before an onset: an onset in the past is clamped to it.
+    t.speech_started(0.0)
+    request = t.prepare_pass()
+    assert request.start_sample == 5 * SR - SR // 2
+
+
+@pytest.mark.parametrize(
+    ("onset_s", "start_sample"),
+    [(1.0, SR), (0.8, int(0.8 * SR)), (0.5, SR // 2), (0.2, SR // 2)],  # preroll 0.5 s: ring starts at 0.5 s
+)
+def test_pass_snapshots_audio_from_the_onset_to_now(onset_s: float, start_sample: int) -> None:
+    t = StreamingTranscriber(AsrConfig())
+    feed(t, 1.0)
+    t.speech_started(onset_s)
+    feed(t, 0.256)
+    request = t.prepare_pass()
+    end = SR + int(0.256 * SR)
+    assert (request.start_sample, request.end_sample) == (start_sample, end)
+    assert np.array_equal(request.audio, np.arange(start_sample, end, dtype=np.float32) / 1e6)
+    assert request.prompt == ""
+    assert not request.final
+    assert request.generation == 1
+    feed(t, 1.0)
+    assert len(request.audio) == end - start_sample  # a snapshot: later audio does not change it
+
+
+def test_pass_wanted_once_min_new_audio_has_arrived() -> None:
+    t = StreamingTranscriber(AsrConfig(min_new_audio_s=0.2))
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    assert not t.wants_pass()
+    t.append(np.zeros(3199, np.float32))
+    assert not t.wants_pass()
+    t.append(np.zeros(1, np.float32))
+    assert t.wants_pass()
+    assert t.pending_since_s() == pytest.approx(1.0)
+
+
+def test_one_pass_at_a_time() -> None:
+    t = StreamingTranscriber(AsrConfig())
+    t.speech_started(0.0)
+    feed(t, 1.0)
+    request = t.prepare_pass()
+    assert t.pass_in_flight
+    feed(t, 2.0)
+    assert not t.wants_pass()
+    with pytest.raises(RuntimeError):
+        t.prepare_pass()
+    t.apply_pass(request, result(HELLO))
+    assert not t.pass_in_flight
+    assert t.wants_pass()  # 2 s arrived meanwhile
+    assert t.pending_since_s() == pytest.approx(request.end_sample / SR)
+
+
+def _open_at_1s() -> StreamingTranscriber:
+    t = StreamingTranscriber(AsrConfig())
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    feed(t, 0.256)
+    return t
+
+
+def test_agreeing_hypotheses_commit_in_the_partial() -> None:
+    t = _open_at_1s()
+    r1 = t.prepare_pass()
+    (e1,) = t.apply_pass(r1, result(HELLO))
+    assert isinstance(e1, TranscriptUpdated)
+    assert (e1.utterance, texts(e1.words), e1.committed) == (1, ["hello", "world"], 0)
+    assert [(w.start_s, w.end_s) for w in e1.words] == pytest.approx([(1.1, 1.4), (1.5, 1.9)])  # stream time
+    assert e1.text == "hello world"
+
+    feed(t, 0.256)
+    r2 = t.prepare_pass()
+    assert r2.start_sample == SR  # same window start, more audio
+    (e2,) = t.apply_pass(r2, result(HELLO_AGAIN))
+    assert (texts(e2.words), e2.committed) == (["hello", "world", "again"], 2)
+
+    feed(t, 0.256)
+    (e3,) = t.apply_pass(t.prepare_pass(), result(HELLO_AGAIN))
+    assert (texts(e3.words), e3.committed) == (["hello", "world", "again"], 3)
+
+    feed(t, 0.256)
+    assert t.apply_pass(t.prepare_pass(), result(HELLO_AGAIN)) == []  # nothing changed: no event
+
+
+def test_disagreeing_hypotheses_commit_nothing() -> None:
+    t = _open_at_1s()
+    t.apply_pass(t.prepare_pass(), result(HELLO))
+    feed(t, 0.256)
+    (e,) = t.apply_pass(t.prepare_pass(), result([("yellow", 0.1, 0.4), ("world", 0.5, 0.9)]))
+    assert (texts(e.words), e.committed) == (["yellow", "world"], 0)
+
+
+def test_speech_stopped_then_final_pass_finalizes_everything() -> None:
+    t = _open_at_1s()
+    t.apply_pass(t.prepare_pass(), result(HELLO))
+    feed(t, 0.256)
+    t.apply_pass(t.prepare_pass(), result(HELLO_AGAIN))  # hello world committed, again tentative
+    feed(t, 1.0)
+    t.speech_stopped(2.5)
+    assert t.wants_pass()  # the final pass is due whatever the new audio
+    final = t.prepare_pass()
+    assert final.final
+    assert (final.start_sample, final.end_sample) == (SR, int(2.5 * SR))
+    events = t.apply_pass(final, result([*HELLO_AGAIN, ("friend", 1.1, 1.4)]))
+    assert len(events) == 1
+    (done,) = events
+    assert isinstance(done, UtteranceFinalized)
+    assert done.utterance == 1
+    assert texts(done.words) == ["hello", "world", "again", "friend"]
+    assert done.text == "hello world again friend"
+    # No new utterance is open: audio alone asks for no pass.
+    assert feed(t, 3.0) == []
+    assert not t.wants_pass()
+    # The next utterance is numbered 2 and conditioned on what was said.
+    t.speech_started(t.samples / SR)
+    feed(t, 0.256)
+    request = t.prepare_pass()
+    assert request.generation == 2
+    assert request.prompt == "hello world again friend"
+    (e,) = t.apply_pass(request, result([("next", 0.0, 0.2)]))
+    assert (e.utterance, texts(e.words)) == (2, ["next"])
+
+
+def test_speech_stop_beyond_the_audio_is_clamped() -> None:
+    t = _open_at_1s()
+    t.speech_stopped(99.0)
+    assert t.prepare_pass().end_sample == t.samples
+
+
+def test_final_pass_without_words_finalizes_silently() -> None:
+    t = _open_at_1s()
+    t.speech_stopped(1.2)
+    assert t.apply_pass(t.prepare_pass(), result()) == []
+    assert not t.wants_pass()
+    feed(t, 1.0)
+    assert not t.wants_pass()
+
+
+def test_speech_resumed_before_the_final_result_opens_a_new_utterance() -> None:
+    t = _open_at_1s()
+    t.speech_stopped(1.2)
+    final = t.prepare_pass()
+    t.speech_started(1.25)
+    feed(t, 0.5)
+    (done,) = t.apply_pass(final, result(HELLO))
+    assert isinstance(done, UtteranceFinalized)
+    request = t.prepare_pass()
+    assert request.generation == 2
+    assert request.start_sample == int(1.2 * SR)  # the new utterance starts where the old one ended
+
+
+def test_result_for_an_old_generation_is_ignored() -> None:
+    t = _open_at_1s()
+    stale = t.prepare_pass()
+    assert t.finish_final_without_pass() == []  # the stream ended under the pass; nothing was decoded
+    t.speech_started(t.samples / SR)
+    feed(t, 0.256)
+    assert t.apply_pass(stale, result(HELLO)) == []
+    assert not t.pass_in_flight
+    (e,) = t.apply_pass(t.prepare_pass(), result([("fresh", 0.0, 0.2)]))
+    assert (e.utterance, texts(e.words), e.committed) == (2, ["fresh"], 0)
+
+
+def test_a_request_replayed_after_finalization_is_ignored() -> None:
+    t = _open_at_1s()
+    request = t.prepare_pass()
+    t.apply_pass(request, result(HELLO))
+    t.speech_stopped(1.3)
+    t.apply_pass(t.prepare_pass(), result(HELLO))
+    assert t.apply_pass(request, result(HELLO)) == []
+
+
+# -- the window stays bounded ---------------------------------------------------------------------------
+
+STEP = 0.5  # a word every 0.5 s of stream time, 0.3 s long: "w<k>" at k*STEP
+
+
+def spread_words(request: PassRequest, segment_s: float) -> Transcription:
+    """Every word that lies wholly inside the window, grouped into segments of `segment_s` (0: one segment)."""
+    offset = request.start_sample / SR
+    end = request.end_sample / SR
+    groups: dict[int, list[tuple[str, float, float]]] = {}
+    k = int(np.ceil(offset / STEP - 1e-9))
+    while k * STEP + 0.3 <= end + 1e-9:
+        key = int(k * STEP // segment_s) if segment_s else 0
+        groups.setdefault(key, []).append((f"w{k}", k * STEP - offset, k * STEP + 0.3 - offset))
+        k += 1
+    return result(*groups.values())
+
+
+@pytest.mark.parametrize(
+    ("segment_s", "pass_every_s"),
+    [
+        (3.0, 0.32),  # frequent passes, segment ends to trim at
+        (0.0, 0.32),  # one endless segment: trimming is forced
+        (3.0, 8.0),  # passes far apart: the window reaches its limit
+        (0.0, 12.8),
+    ],
+)
+def test_window_never_exceeds_max_window_and_nothing_is_lost(segment_s: float, pass_every_s: float) -> None:
+    cfg = AsrConfig()
+    t = StreamingTranscriber(cfg)
+    t.speech_started(0.0)
+    events: list[Event] = []
+    requests: list[PassRequest] = []
+
+    def run_pass() -> None:
+        request = t.prepare_pass()
+        requests.append(request)
+        events.extend(t.apply_pass(request, spread_words(request, segment_s)))
+
+    every = round(pass_every_s * SR / CHUNK)
+    for i in range(round(40 * SR / CHUNK)):
+        events.extend(feed(t, CHUNK / SR))
+        if i % every == every - 1 and t.wants_pass():
+            run_pass()
+    t.speech_stopped(t.samples / SR)
+    while t.wants_pass():
+        run_pass()
+
+    for r in requests:
+        assert r.end_sample - r.start_sample <= cfg.max_window_s * SR
+        assert len(r.audio) == r.end_sample - r.start_sample
+        assert len(r.prompt) <= cfg.prompt_chars
+        if r.prompt:  # the prompt is the committed text just before the window
+            last = int(r.prompt.split()[-1][1:])
+            assert r.start_sample / SR - STEP <= last * STEP + 0.3 <= r.start_sample / SR + 1e-3
+    assert any(r.start_sample > 0 for r in requests)  # the window did slide
+    assert requests[-1].final
+    assert not [e for e in events if isinstance(e, ErrorRaised)]
+    (final,) = [e for e in events if isinstance(e, UtteranceFinalized)]
+    assert texts(final.words) == [f"w{k}" for k in range(80)]
+    partials = [e for e in events if isinstance(e, TranscriptUpdated)]
+    for before, after in zip(partials, partials[1:], strict=False):  # committed words never change
+        assert after.words[: before.committed] == before.words[: before.committed]
+        assert after.committed >= before.committed
+
+
+# -- AudioRing ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("appends", "dropped", "start", "end"),
+    [
+        ([6], [0], 0, 6),
+        ([10], [0], 0, 10),
+        ([6, 6], [0, 2], 2, 12),
+        ([10, 1], [0, 1], 1, 11),
+        ([3, 3, 3, 3, 3], [0, 0, 0, 2, 3], 5, 15),
+        ([0, 4], [0, 0], 0, 4),
+        ([12], [2], 2, 12),  # longer than the ring: the oldest new samples are dropped too
+        ([4, 25], [0, 19], 19, 29),
+    ],
+)
+def test_audio_ring_keeps_the_newest_samples(appends: list[int], dropped: list[int], start: int, end: int) -> None:
+    ring = AudioRing(10)
+    got = []
+    for n in appends:
+        got.append(ring.append(np.arange(ring.end, ring.end + n, dtype=np.float32)))
+    assert got == dropped
+    assert (ring.start, ring.end) == (start, end)
+    assert ring.read(0, 10**6).tolist() == list(range(start, end))  # sample value == absolute index
+
+
+@pytest.mark.parametrize(
+    ("read", "expected"),
+    [((12, 15), [12, 13, 14]), ((0, 13), [10, 11, 12]), ((18, 40), [18, 19]), ((15, 15), []), ((25, 30), [])],
+)
+def test_audio_ring_read_is_clamped_to_what_it_holds(read: tuple[int, int], expected: list[int]) -> None:
+    ring = AudioRing(10)
+    ring.append(np.arange(20, dtype=np.float32))
+    assert ring.read(*read).tolist() == expected
+
+
+def test_audio_ring_drop_before() -> None:
+    ring = AudioRing(10)
+    ring.append(np.arange(8, dtype=np.float32))
+    ring.drop_before(3)
+    assert (ring.start, ring.end) == (3, 8)
+    ring.drop_before(1)  # already gone: no-op
+    assert (ring.start, ring.end) == (3, 8)
+    assert ring.append(np.arange(8, 13, dtype=np.float32)) == 0  # room was made
+    assert ring.read(0, 100).tolist() == list(range(3, 13))
+    ring.drop_before(100)
+    assert (ring.start, ring.end) == (13, 13)
+
+
+def test_ring_overflow_in_an_open_utterance_is_reported() -> None:
+    cfg = AsrConfig(ring_s=4.0, max_window_s=2.0, trim_after_s=2.0)
+    t = StreamingTranscriber(cfg)
+    t.speech_started(0.0)
+    per_append = [feed(t, 0.5, chunk=SR // 2) for _ in range(10)]  # 5 s, no pass ever runs
+    assert per_append[:8] == [[]] * 8  # 4 s fit
+    (error,) = per_append[8]
+    assert isinstance(error, ErrorRaised)
+    assert error.code == ErrorCode.ASR_BEHIND
+    assert "0.50s" in error.message
+    assert per_append[9] == []  # said once, not once per frame, until a pass comes back
+    # The window moved past the lost audio; the next pass starts at the oldest sample still held.
+    assert t.pending_since_s() == pytest.approx(1.0)
+    request = t.prepare_pass()
+    assert (request.start_sample, request.end_sample) == (SR, SR + 2 * SR)  # capped at max_window_s
+
+
+def test_ring_overflow_without_an_utterance_is_not_an_error() -> None:
+    t = StreamingTranscriber(AsrConfig(ring_s=4.0, max_window_s=2.0, trim_after_s=2.0))
+    assert feed(t, 10.0, chunk=SR // 2) == []
+
+
+# -- failed passes --------------------------------------------------------------------------------------
+
+
+def test_abort_of_a_final_pass_finalizes_with_what_was_decoded() -> None:
+    t = _open_at_1s()
+    t.apply_pass(t.prepare_pass(), result(HELLO))  # tentative only
+    t.speech_stopped(1.5)
+    events = t.abort_pass(t.prepare_pass())
+    assert [type(e) for e in events] == [ErrorRaised, UtteranceFinalized]
+    assert events[0].code == ErrorCode.INTERNAL
+    assert texts(events[1].words) == ["hello", "world"]
+    assert not t.wants_pass()
+    assert not t.pass_in_flight
+
+
+def test_abort_of_a_partial_pass_skips_its_audio() -> None:
+    t = _open_at_1s()
+    request = t.prepare_pass()
+    (error,) = t.abort_pass(request)
+    assert error.code == ErrorCode.INTERNAL
+    assert not t.pass_in_flight
+    assert t.pending_since_s() == pytest.approx(request.end_sample / SR)
+    assert not t.wants_pass()  # its audio counts as covered
+    feed(t, 0.256)
+    assert t.wants_pass()
+
+
+def test_abort_for_an_old_generation_is_silent() -> None:
+    t = _open_at_1s()
+    stale = t.prepare_pass()
+    t.finish_final_without_pass()
+    assert t.abort_pass(stale) == []

@@ -1,0 +1,82 @@
+"""End to end: a real server on port 0, the real client streaming the real recordings at real-time pace."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from duplexd.bench.data import Clip, normalize, wer
+from duplexd.clients.stream import read_audio, stream_file, stream_pcm
+
+pytestmark = pytest.mark.slow
+
+# Four short clips of different corpora and speakers (about 28 s at real time).
+E2E_CLIPS = [
+    "clip01_jfk.wav",
+    "clip02_libri_1272-128104-0000.wav",
+    "clip06_lj050-0131.wav",
+    "clip22_deepspeech_new_home.wav",
+]
+# Streaming WER on these clips measured 0.0x (docs/benchmarks.md); the bound leaves a wide margin for
+# run-to-run variation in pass timing without letting a broken commit policy through.
+WER_BOUND = 0.25
+
+
+async def test_clips_stream_live_and_match_reference(make_server, clip_by_name: dict[str, Clip]) -> None:
+    srv = await make_server()
+    refs, hyps = [], []
+    for name in E2E_CLIPS:
+        clip = clip_by_name[name]
+        result = await stream_file(srv.url, clip.path)
+        last_frame_sent = result.started_at + clip.duration_s
+        partials = result.of_type("transcript.partial")
+        # Streaming, not batch: words are shown while the clip is still playing.
+        assert partials, f"{name}: no partial transcript"
+        assert partials[0].t < last_frame_sent - 0.5, f"{name}: first partial only after the clip ended"
+        assert result.close_code == 1000
+        # Words carry stream times inside the clip.
+        words = [w for f in result.finals for w in f["words"]]
+        assert all(0 <= w["start"] <= w["end"] <= clip.duration_s + 0.5 for w in words)
+        refs.append(clip.text or "")
+        hyps.append(result.text)
+    assert wer(refs, hyps) <= WER_BOUND, list(zip(refs, hyps, strict=True))
+
+
+async def test_silence_and_noise_yield_no_words(make_server) -> None:
+    srv = await make_server()
+    rng = np.random.default_rng(7)
+    silence = np.zeros(3 * 16000)
+    white = rng.normal(0, 0.03, 3 * 16000)
+    hum = 0.05 * np.sin(2 * np.pi * 50 * np.arange(3 * 16000) / 16000)
+    pcm = (np.concatenate([silence, white, hum, silence]) * 32767).astype(np.int16)
+    result = await stream_pcm(srv.url, pcm, 16000, speed=2.0)
+    assert result.close_code == 1000
+    assert not result.of_type("transcript.partial") and not result.finals
+    assert result.of_type("frame.ack")
+
+
+async def test_concurrent_streams_do_not_mix(make_server, clip_by_name: dict[str, Clip]) -> None:
+    srv = await make_server()
+    a, b = clip_by_name["clip01_jfk.wav"], clip_by_name["clip03_libri_2412-153948-0000.wav"]
+    ra, rb = await asyncio.gather(stream_file(srv.url, a.path), stream_file(srv.url, b.path))
+    assert ra.session_id != rb.session_id
+    assert wer([a.text or ""], [ra.text]) <= 0.35, ra.text
+    assert wer([b.text or ""], [rb.text]) <= 0.35, rb.text
+    # Each stream's distinctive words stay in that stream.
+    assert not {"americans", "fellow", "ask"} & set(normalize(rb.text)), rb.text
+    assert not {"reader", "narrative", "antecedents"} & set(normalize(ra.text)), ra.text
+
+
+async def test_other_sample_rates_are_resampled(make_server, clip_by_name: dict[str, Clip]) -> None:
+    """The same speech sent at 8 kHz and 48 kHz is transcribed like the 16 kHz original."""
+    import soxr
+
+    srv = await make_server()
+    clip = clip_by_name["clip02_libri_1272-128104-0000.wav"]
+    pcm, rate = read_audio(clip.path)
+    for target in (8000, 48000):
+        resampled = soxr.resample(pcm.astype(np.float32) / 32768, rate, target)
+        result = await stream_pcm(srv.url, (resampled * 32767).astype(np.int16), target, speed=1.5)
+        assert wer([clip.text or ""], [result.text]) <= 0.35, (target, result.text)
