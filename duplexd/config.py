@@ -63,6 +63,9 @@ class AsrConfig:
     prompt_chars: int = 200
     ring_s: float = 30.0  # hard bound of buffered audio per session
     no_speech_threshold: float = 0.6
+    # A decoded stretch with no_speech_prob above the threshold is dropped when its mean log-probability is
+    # below this (Whisper's own default, -1.0, lets "Thank you." on trailing noise through).
+    silence_logprob_threshold: float = -0.5
 
     def __post_init__(self) -> None:
         _require(self.beam_size >= 1, "asr.beam_size", self.beam_size, ">= 1")

@@ -11,6 +11,8 @@ from duplexd.streaming.events import Word
 _STRIP = re.compile(r"[^\w']+")
 _DEDUP_MAX_WORDS = 5
 _TIME_TOLERANCE_S = 0.1
+_ALIGN_REACH = 3  # words either side of the time cut searched for the committed tail
+_ALIGN_MAX_SHIFT_S = 1.0  # the matched tail must end this close to the committed end
 
 
 def norm(text: str) -> str:
@@ -85,11 +87,33 @@ class LocalAgreement:
             self.committed_end_s = committed[-1].end_s
 
     def _new_words(self, words: Sequence[Word]) -> list[Word]:
-        fresh = [w for w in words if w.start_s > self.committed_end_s - _TIME_TOLERANCE_S]
-        if fresh and self._committed_tail and abs(fresh[0].start_s - self.committed_end_s) < 1.0:
+        """The hypothesis after what is already committed.
+
+        First by time (words starting after the committed end, less a tolerance), then by text: the
+        committed tail found in the hypothesis near that point (an n-gram of up to 5 words) moves the cut to
+        just after it. Word timestamps jitter between passes by more than any fixed tolerance, so the text
+        decides where it can: a word whose start moved before the committed end is kept when the words
+        before it match the committed tail, and a committed word recognised again is not committed twice.
+        """
+        cut = 0
+        while cut < len(words) and words[cut].start_s <= self.committed_end_s - _TIME_TOLERANCE_S:
+            cut += 1
+        if self._committed_tail:
             tail = [norm(w.text) for w in self._committed_tail]
-            for size in range(min(len(tail), len(fresh), _DEDUP_MAX_WORDS), 0, -1):
-                if tail[-size:] == [norm(w.text) for w in fresh[:size]]:
-                    fresh = fresh[size:]
+            text = [norm(w.text) for w in words]
+            for size in range(min(len(tail), _DEDUP_MAX_WORDS), 0, -1):
+                # One shared word only counts at the time cut itself; longer n-grams may also sit a little
+                # before or after it.
+                reach = range(cut, cut + 1) if size == 1 else range(cut - _ALIGN_REACH, cut + _ALIGN_REACH + 1)
+                found = [
+                    j
+                    for j in reach
+                    if 0 <= j
+                    and j + size <= len(words)
+                    and text[j : j + size] == tail[-size:]
+                    and abs(words[j + size - 1].end_s - self.committed_end_s) < _ALIGN_MAX_SHIFT_S
+                ]
+                if found:
+                    cut = min(found, key=lambda j: abs(j - cut)) + size
                     break
-        return fresh
+        return list(words[cut:])

@@ -84,6 +84,7 @@ class FasterWhisperEngine:
             condition_on_previous_text=True,
             vad_filter=False,
             no_speech_threshold=cfg.no_speech_threshold,
+            log_prob_threshold=cfg.silence_logprob_threshold,
             temperature=0.0,
         )
         out = []

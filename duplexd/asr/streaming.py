@@ -9,7 +9,6 @@ there commits everything and the utterance is final.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +19,7 @@ from duplexd.config import AsrConfig
 from duplexd.errors import ErrorCode
 from duplexd.streaming.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
 
-_FORCE_KEEP_S = 3.0
-_MAX_QUEUED = 64  # when forced to trim, keep this much of the newest audio uncommitted
+_FORCE_KEEP_S = 3.0  # when forced to trim, keep this much of the newest audio uncommitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +32,11 @@ class PassRequest:
     end_sample: int
     final: bool  # covers the utterance up to its end of speech
     generation: int  # which utterance it was taken for
+
+
+@dataclass(slots=True)
+class _Next:
+    end: int | None
 
 
 class AudioRing:
@@ -83,7 +86,8 @@ class StreamingTranscriber:
         self._ring = AudioRing(int(config.ring_s * ASR_SAMPLE_RATE))
         self._agreement = LocalAgreement(config.agreement_n)
         self._prompt = ""
-        self._queued: deque[list[int | None]] = deque(maxlen=_MAX_QUEUED)  # later [start, end] speech
+        # Speech that resumed while the open utterance's final pass was in flight: the next utterance.
+        self._next: _Next | None = None
         self._utterance = 0
         self._generation = 0
         self._active = False  # an utterance is open (speaking, or its final pass is still due)
@@ -93,6 +97,7 @@ class StreamingTranscriber:
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
         self._last_partial: tuple[tuple[Word, ...], int] | None = None
         self._in_flight = False
+        self._final_in_flight = False
         self._behind = False  # the ring overflowed and no pass has come back since
         self._prompt_until_s = 0.0
 
@@ -120,24 +125,23 @@ class StreamingTranscriber:
         return []
 
     def speech_started(self, t_s: float) -> None:
-        start = max(int(t_s * ASR_SAMPLE_RATE), self._ring.start)
         if not self._active:
-            self._open(start)
-        elif self._final_end is not None:
-            # Speech resumed before the last utterance's final pass: it is the next utterance, queued.
-            if len(self._queued) == self._queued.maxlen:
-                self._queued[-1][1] = None  # bounded: the newest speech extends the last queued utterance
-            else:
-                self._queued.append([start, None])
+            self._open(max(int(t_s * ASR_SAMPLE_RATE), self._ring.start))
+        elif self._final_in_flight:
+            self._next = _Next(end=None)  # too late to extend this utterance: the speech opens the next one
+        else:
+            # A pause shorter than the time to its final pass: the utterance simply goes on. Under load this
+            # merges utterances, so the number of passes per session stays bounded by the pass rate.
+            self._final_end = None
 
     def speech_stopped(self, t_s: float) -> None:
         if not self._active:
             return
-        end = int(t_s * ASR_SAMPLE_RATE)
-        if self._final_end is None:
-            self._final_end = min(max(end, self._window_start), self._ring.end)
-        elif self._queued and self._queued[-1][1] is None:
-            self._queued[-1][1] = end
+        end = min(max(int(t_s * ASR_SAMPLE_RATE), self._window_start), self._ring.end)
+        if self._next is not None:
+            self._next.end = end
+        else:
+            self._final_end = end
 
     def _open(self, start: int) -> None:
         self._active = True
@@ -145,6 +149,7 @@ class StreamingTranscriber:
         self._generation += 1
         self._window_start = self._decoded_until = start
         self._final_end = None
+        self._next = None
         self._committed = []
         self._last_partial = None
         self._agreement.reset()
@@ -170,6 +175,7 @@ class StreamingTranscriber:
         final = self._final_end is not None and end <= limit
         end = min(end, limit)
         self._in_flight = True
+        self._final_in_flight = final
         return PassRequest(
             audio=self._ring.read(self._window_start, end),
             prompt=self._prompt[-self._config.prompt_chars :] if self._config.prompt_chars else "",
@@ -185,7 +191,7 @@ class StreamingTranscriber:
 
     def abort_pass(self, request: PassRequest) -> list[Event]:
         """The engine failed on `request`: skip its audio (said aloud, not silently) so nothing spins."""
-        self._in_flight = False
+        self._in_flight = self._final_in_flight = False
         if request.generation != self._generation or not self._active:
             return []
         self._decoded_until = max(self._decoded_until, request.end_sample)
@@ -201,7 +207,7 @@ class StreamingTranscriber:
         return self._finalize(self._agreement.commit_all())
 
     def apply_pass(self, request: PassRequest, result: Transcription) -> list[Event]:
-        self._in_flight = False
+        self._in_flight = self._final_in_flight = False
         self._behind = False
         if request.generation != self._generation or not self._active:
             return []
@@ -226,10 +232,10 @@ class StreamingTranscriber:
         self._window_start = self._decoded_until = end
         self._committed = []
         self._agreement.reset()
-        if self._queued:  # speech resumed before this final pass came back: it is the next utterance
-            _start, next_end = self._queued.popleft()
+        if self._next is not None:  # speech resumed while this final pass ran: it is the next utterance
+            next_end = self._next.end
             self._open(end)
-            self._final_end = None if next_end is None else min(next_end, self._ring.end)
+            self._final_end = next_end
         else:
             self._ring.drop_before(end - int(self._config.preroll_s * ASR_SAMPLE_RATE))
         return events

@@ -392,3 +392,44 @@ def test_abort_for_an_old_generation_is_silent() -> None:
     stale = t.prepare_pass()
     t.finish_final_without_pass()
     assert t.abort_pass(stale) == []
+
+
+def test_a_pause_shorter_than_the_wait_for_its_final_pass_continues_the_utterance() -> None:
+    t = StreamingTranscriber(AsrConfig())
+    t.speech_started(0.0)
+    feed(t, 1.0)
+    t.speech_stopped(1.0)
+    feed(t, 0.5)
+    t.speech_started(1.5)  # the final pass has not started yet: same utterance, no final due
+    feed(t, 1.0)
+    request = t.prepare_pass()
+    assert not request.final and (request.start_sample, request.end_sample) == (0, int(2.5 * SR))
+    t.apply_pass(request, result(HELLO))
+    t.speech_stopped(2.5)
+    request = t.prepare_pass()
+    assert request.final and request.end_sample == int(2.5 * SR)
+    (final,) = t.apply_pass(request, result(HELLO_AGAIN))
+    assert isinstance(final, UtteranceFinalized) and final.utterance == 1
+    assert texts(final.words) == ["hello", "world", "again"]
+
+
+def test_speech_during_a_final_pass_opens_the_next_utterance() -> None:
+    t = StreamingTranscriber(AsrConfig())
+    t.speech_started(0.0)
+    feed(t, 1.0)
+    t.speech_stopped(1.0)
+    final_request = t.prepare_pass()
+    assert final_request.final
+    feed(t, 0.5)
+    t.speech_started(1.5)  # too late to extend utterance 1
+    feed(t, 1.0)
+    t.speech_stopped(2.5)
+    (final,) = t.apply_pass(final_request, result(HELLO))
+    assert isinstance(final, UtteranceFinalized) and final.utterance == 1
+    # Utterance 2 starts where utterance 1 ended and already knows its own end of speech.
+    request = t.prepare_pass()
+    assert request.final and (request.start_sample, request.end_sample) == (SR, int(2.5 * SR))
+    (final,) = t.apply_pass(request, result([("again", 0.6, 1.2)]))
+    assert isinstance(final, UtteranceFinalized) and final.utterance == 2
+    assert texts(final.words) == ["again"] and final.words[0].start_s == pytest.approx(1.6)
+    assert not t.wants_pass()
