@@ -63,9 +63,28 @@ async def serve(config: ServerConfig) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    config = load_config(args.config, overrides={"transport": {"host": args.host, "port": args.port}})
-    asyncio.run(serve(config))
+    try:
+        config = load_config(args.config, overrides={"transport": {"host": args.host, "port": args.port}})
+    except (OSError, ValueError) as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except ExceptionGroup as group:
+        bind_errors = group.subgroup(OSError)
+        if bind_errors is None:
+            raise
+        t = config.transport
+        log.error("cannot listen on %s:%d: %s", t.host, t.port, _first(bind_errors))
+        return 1
     return 0
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _cmd_stream(args: argparse.Namespace) -> int:
@@ -130,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
     )
     p.add_argument("--quick", action="store_true", help="fewer clips and shorter streams (a smoke run)")
+    p.add_argument("--streams", default="1,2,4", help="concurrency levels for the long streams (default 1,2,4)")
+    p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
     p.add_argument("--config", type=Path, default=None)
     p.set_defaults(func=_cmd_bench)
 

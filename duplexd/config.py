@@ -57,15 +57,26 @@ class AsrConfig:
     language: str = "en"
     agreement_n: int = 2  # LocalAgreement-n
     max_window_s: float = 15.0
-    trim_after_s: float = 8.0  # trim at a committed segment end once the window is this long
+    trim_after_s: float = 5.0  # trim at a committed sentence or segment end once the window is this long
     min_new_audio_s: float = 0.2  # a pass runs only once this much new speech has arrived
     preroll_s: float = 0.5  # audio kept before detected speech onset
-    prompt_chars: int = 200
+    prompt_chars: int = 200  # committed text before the window, kept as the decoder prompt
+    # ... of which the engine passes at most this many tokens. Measured with tiny.en and word timestamps on
+    # this CPU: a 3.5 s pass costs 1.04 s with a prompt of up to 18 tokens and 1.85 s from 21 tokens on.
+    prompt_max_tokens: int = 18
     ring_s: float = 30.0  # hard bound of buffered audio per session
     no_speech_threshold: float = 0.6
     # A decoded stretch with no_speech_prob above the threshold is dropped when its mean log-probability is
     # below this (Whisper's own default, -1.0, lets "Thank you." on trailing noise through).
     silence_logprob_threshold: float = -0.5
+    # A pass decodes at most this many tokens per second of window (+ 16): speech runs at ~4/s, and a
+    # decoder stuck in a repetition loop otherwise runs to 448 tokens (a 6 s pass, seen on this CPU).
+    max_tokens_per_s: float = 8.0
+    compression_ratio_threshold: float = 2.4  # segments more repetitive than this are dropped
+    # Decode without Whisper's timestamp tokens (words still get times from cross-attention alignment).
+    # With them, a window whose last segment ends before the audio does is encoded a second time from
+    # there (faster-whisper's seek loop): ~1.7 s instead of ~0.9 s for that pass on this CPU.
+    without_timestamps: bool = False
 
     def __post_init__(self) -> None:
         _require(self.beam_size >= 1, "asr.beam_size", self.beam_size, ">= 1")
@@ -82,6 +93,8 @@ class AsrConfig:
         _require(self.preroll_s >= 0.0, "asr.preroll_s", self.preroll_s, ">= 0")
         _require(self.ring_s >= self.max_window_s, "asr.ring_s", self.ring_s, ">= max_window_s")
         _require(self.prompt_chars >= 0, "asr.prompt_chars", self.prompt_chars, ">= 0")
+        _require(self.prompt_max_tokens >= 0, "asr.prompt_max_tokens", self.prompt_max_tokens, ">= 0")
+        _require(self.max_tokens_per_s > 0, "asr.max_tokens_per_s", self.max_tokens_per_s, "> 0")
 
 
 @dataclass(frozen=True, slots=True)

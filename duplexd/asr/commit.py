@@ -12,7 +12,7 @@ _STRIP = re.compile(r"[^\w']+")
 _DEDUP_MAX_WORDS = 5
 _TIME_TOLERANCE_S = 0.1
 _ALIGN_REACH = 3  # words either side of the time cut searched for the committed tail
-_ALIGN_MAX_SHIFT_S = 1.0  # the matched tail must end this close to the committed end
+_ALIGN_MAX_SHIFT_S = 0.3  # a committed word found again "in place" starts at most this far from where it was
 
 
 def norm(text: str) -> str:
@@ -90,30 +90,35 @@ class LocalAgreement:
         """The hypothesis after what is already committed.
 
         First by time (words starting after the committed end, less a tolerance), then by text: the
-        committed tail found in the hypothesis near that point (an n-gram of up to 5 words) moves the cut to
-        just after it. Word timestamps jitter between passes by more than any fixed tolerance, so the text
-        decides where it can: a word whose start moved before the committed end is kept when the words
-        before it match the committed tail, and a committed word recognised again is not committed twice.
+        committed tail (an n-gram of up to 5 words) found near that point moves the cut to just after it.
+        Word timestamps jitter between passes by more than any fixed tolerance, so the text decides where it
+        can: a word whose start moved before the committed end is kept when the committed words before it
+        are found in place, and a committed word recognised again is not committed twice.
         """
         cut = 0
         while cut < len(words) and words[cut].start_s <= self.committed_end_s - _TIME_TOLERANCE_S:
             cut += 1
-        if self._committed_tail:
-            tail = [norm(w.text) for w in self._committed_tail]
-            text = [norm(w.text) for w in words]
-            for size in range(min(len(tail), _DEDUP_MAX_WORDS), 0, -1):
-                # One shared word only counts at the time cut itself; longer n-grams may also sit a little
-                # before or after it.
-                reach = range(cut, cut + 1) if size == 1 else range(cut - _ALIGN_REACH, cut + _ALIGN_REACH + 1)
-                found = [
-                    j
-                    for j in reach
-                    if 0 <= j
-                    and j + size <= len(words)
-                    and text[j : j + size] == tail[-size:]
-                    and abs(words[j + size - 1].end_s - self.committed_end_s) < _ALIGN_MAX_SHIFT_S
-                ]
-                if found:
-                    cut = min(found, key=lambda j: abs(j - cut)) + size
-                    break
+        if not self._committed_tail:
+            return list(words[cut:])
+        tail = list(self._committed_tail)
+        tail_text = [norm(w.text) for w in tail]
+        text = [norm(w.text) for w in words]
+        time_cut = cut
+        for size in range(min(len(tail), _DEDUP_MAX_WORDS), 0, -1):
+            found = []
+            for j in range(max(0, time_cut - _ALIGN_REACH), min(len(words) - size, time_cut + _ALIGN_REACH) + 1):
+                if text[j : j + size] != tail_text[-size:]:
+                    continue
+                # The committed tail said again right at the time cut (with any timestamps): skip it.
+                again = j == time_cut and abs(words[j].start_s - self.committed_end_s) < 1.0
+                # The committed tail found in place (each word within the jitter bound): cut after it, which
+                # may re-admit a following word whose start jittered before the committed end.
+                in_place = size >= 2 and all(
+                    abs(words[j + i].start_s - w.start_s) <= _ALIGN_MAX_SHIFT_S for i, w in enumerate(tail[-size:])
+                )
+                if again or in_place:
+                    found.append(j)
+            if found:
+                cut = min(found, key=lambda j: abs(j - time_cut)) + size
+                break
         return list(words[cut:])

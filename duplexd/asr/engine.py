@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,10 +54,19 @@ def default_asr_model() -> Path:
 
 
 class FasterWhisperEngine:
-    """Whisper via CTranslate2 (faster-whisper). One instance serves every session, one pass at a time."""
+    """Whisper via CTranslate2 (faster-whisper's model, tokenizer and word aligner).
+
+    One instance serves every session, one pass at a time. A pass is one encoder run, one greedy decode
+    and one alignment over a window of at most 30 s. `WhisperModel.transcribe` is not used for passes: its
+    seek loop encodes a window a second time whenever the decoded text ends before the audio does (an
+    unfinished last segment), which on this CPU made such passes take ~1.7 s instead of ~0.9 s; here the
+    unfinished tail is kept as the window's last segment instead, which is what streaming wants anyway.
+    """
 
     def __init__(self, config: AsrConfig) -> None:
         from faster_whisper import WhisperModel
+        from faster_whisper.tokenizer import Tokenizer
+        from faster_whisper.transcribe import get_suppressed_tokens
 
         self._config = config
         model = config.model or str(default_asr_model())
@@ -72,27 +81,107 @@ class FasterWhisperEngine:
             )
         except Exception as exc:  # faster-whisper raises many types; name the model in one error
             raise EngineError(f"could not load ASR model {model!r}: {exc}") from exc
+        multilingual = self._model.model.is_multilingual
+        self._tokenizer = Tokenizer(
+            self._model.hf_tokenizer,
+            multilingual,
+            task="transcribe" if multilingual else None,
+            language=(config.language or "en") if multilingual else None,
+        )
+        self._suppress = list(get_suppressed_tokens(self._tokenizer, [-1]))
+
+    def _clip_prompt(self, prompt: str) -> list[int]:
+        """Tokens of the prompt's last whole words, at most `prompt_max_tokens` of them."""
+        words = prompt.split()
+        while words:
+            tokens = self._tokenizer.encode(" " + " ".join(words))
+            if len(tokens) <= self._config.prompt_max_tokens:
+                return tokens
+            words.pop(0)
+        return []
 
     def transcribe(self, audio: np.ndarray, prompt: str) -> Transcription:
+        from faster_whisper.audio import pad_or_trim
+        from faster_whisper.transcribe import get_compression_ratio
+
+        cfg = self._config
+        model, tok = self._model, self._tokenizer
+        fe = model.feature_extractor
+        audio = audio[: fe.n_samples]  # one 30 s encoder window at most
+        features = fe(audio)
+        frames = min(features.shape[-1] - 1, fe.nb_max_frames)
+        if frames <= 0:
+            return Transcription(())
+        encoder_output = model.encode(pad_or_trim(features[:, :frames]))
+        tokens_in = model.get_prompt(tok, self._clip_prompt(prompt), without_timestamps=cfg.without_timestamps)
+        max_new = min(16 + int(cfg.max_tokens_per_s * len(audio) / ASR_SAMPLE_RATE), model.max_length // 2)
+        result = model.model.generate(
+            encoder_output,
+            [tokens_in],
+            beam_size=cfg.beam_size,
+            max_length=len(tokens_in) + max_new,
+            return_scores=True,
+            return_no_speech_prob=True,
+            suppress_blank=True,
+            suppress_tokens=self._suppress,
+            max_initial_timestamp_index=int(round(1.0 / model.time_precision)),
+        )[0]
+        tokens = result.sequences_ids[0]
+        avg_logprob = result.scores[0] * len(tokens) / (len(tokens) + 1)
+        if result.no_speech_prob > cfg.no_speech_threshold and avg_logprob < cfg.silence_logprob_threshold:
+            return Transcription(())  # Whisper itself thinks this window is silence
+        if get_compression_ratio(tok.decode(tokens).strip()) > cfg.compression_ratio_threshold:
+            return Transcription(())  # a repetition loop, not speech
+        duration_s = frames * fe.time_per_frame
+        segments = self._segments(tokens, duration_s)
+        if not segments:
+            return Transcription(())
+        model.add_word_timestamps([segments], tok, encoder_output, frames, "\"'“¿([{-", "\"'.。,，!！?？:：”)]}、", 0.0)
+        out = []
+        for seg in segments:
+            words = tuple(
+                Word(w["word"].strip(), float(w["start"]), min(float(w["end"]), duration_s))
+                for w in seg.get("words", ())
+                if w["word"].strip()
+            )
+            if words:
+                out.append(Segment(seg["start"], seg["end"], words, result.no_speech_prob, avg_logprob))
+        return Transcription(tuple(out))
+
+    def transcribe_offline(self, audio: np.ndarray) -> Transcription:
+        """faster-whisper's own whole-file transcription (any length): the accuracy baseline for benchmarks."""
         cfg = self._config
         segments, _info = self._model.transcribe(
             audio,
             language=cfg.language or None,
             beam_size=cfg.beam_size,
-            initial_prompt=prompt or None,
             word_timestamps=True,
-            condition_on_previous_text=True,
             vad_filter=False,
-            no_speech_threshold=cfg.no_speech_threshold,
-            log_prob_threshold=cfg.silence_logprob_threshold,
             temperature=0.0,
         )
         out = []
-        for seg in segments:  # consume the lazy generator here, on the worker thread
+        for seg in segments:  # consume the lazy generator here, on the calling (worker) thread
             words = tuple(Word(w.word.strip(), float(w.start), float(w.end)) for w in seg.words or () if w.word.strip())
-            if not words:
-                continue
-            out.append(
-                Segment(float(seg.start), float(seg.end), words, float(seg.no_speech_prob), float(seg.avg_logprob))
-            )
+            if words:
+                out.append(Segment(seg.start, seg.end, words, seg.no_speech_prob, seg.avg_logprob))
         return Transcription(tuple(out))
+
+    def _segments(self, tokens: list[int], duration_s: float) -> list[dict[str, Any]]:
+        """Split decoded tokens at timestamp pairs; an unfinished last segment runs to the window's end."""
+        ts_begin = self._tokenizer.timestamp_begin
+        precision = self._model.time_precision
+        segments: list[dict[str, Any]] = []
+        current: list[int] = []
+        start_s = 0.0
+        for token in tokens:
+            if token < ts_begin:
+                current.append(token)
+                continue
+            t = (token - ts_begin) * precision
+            if current:  # a timestamp after text closes a segment; the next timestamp opens one
+                segments.append({"seek": 0, "start": start_s, "end": min(t, duration_s), "tokens": current})
+                current = []
+            start_s = t
+        if current:
+            segments.append({"seek": 0, "start": start_s, "end": duration_s, "tokens": current})
+        return [s for s in segments if any(t < self._tokenizer.eot for t in s["tokens"])]

@@ -20,6 +20,7 @@ from duplexd.errors import ErrorCode
 from duplexd.streaming.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
 
 _FORCE_KEEP_S = 3.0  # when forced to trim, keep this much of the newest audio uncommitted
+_SENTENCE_ENDS = (".", "?", "!")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +128,14 @@ class StreamingTranscriber:
     def speech_started(self, t_s: float) -> None:
         if not self._active:
             self._open(max(int(t_s * ASR_SAMPLE_RATE), self._ring.start))
-        elif self._final_in_flight:
-            self._next = _Next(end=None)  # too late to extend this utterance: the speech opens the next one
+        elif self._final_end is None:
+            pass  # still inside the open utterance (its end of speech was not reported)
+        elif self._next is None:
+            self._next = _Next(end=None)  # the open utterance keeps its end; this speech is the next one
         else:
-            # A pause shorter than the time to its final pass: the utterance simply goes on. Under load this
-            # merges utterances, so the number of passes per session stays bounded by the pass rate.
-            self._final_end = None
+            # The recognizer is more than one utterance behind: the newest speech extends the queued one, so
+            # a session never waits on more than two final passes however fast its pauses come.
+            self._next.end = None
 
     def speech_stopped(self, t_s: float) -> None:
         if not self._active:
@@ -178,7 +181,7 @@ class StreamingTranscriber:
         self._final_in_flight = final
         return PassRequest(
             audio=self._ring.read(self._window_start, end),
-            prompt=self._prompt[-self._config.prompt_chars :] if self._config.prompt_chars else "",
+            prompt=self._prompt_text(),
             start_sample=self._window_start,
             end_sample=end,
             final=final,
@@ -232,7 +235,7 @@ class StreamingTranscriber:
         self._window_start = self._decoded_until = end
         self._committed = []
         self._agreement.reset()
-        if self._next is not None:  # speech resumed while this final pass ran: it is the next utterance
+        if self._next is not None:  # speech resumed before this final pass: it is the next utterance
             next_end = self._next.end
             self._open(end)
             self._final_end = next_end
@@ -249,6 +252,7 @@ class StreamingTranscriber:
         return [TranscriptUpdated(self._utterance, words, len(self._committed))]
 
     def _trim(self, request: PassRequest, result: Transcription) -> None:
+        """Keep windows short: every pass decodes its whole window again, so its cost grows with it."""
         window_s = (request.end_sample - self._window_start) / ASR_SAMPLE_RATE
         if window_s < self._config.trim_after_s:
             return
@@ -258,6 +262,9 @@ class StreamingTranscriber:
         for seg in result.segments[:-1]:  # a segment followed by another one has really ended
             if seg.end_s + offset_s <= committed_end_s + 1e-6:
                 cut_s = seg.end_s + offset_s
+        for word in self._committed:  # so has a committed sentence
+            if word.text.endswith(_SENTENCE_ENDS) and word.end_s * ASR_SAMPLE_RATE > self._window_start:
+                cut_s = max(cut_s or 0.0, word.end_s)
         if cut_s is None and window_s >= self._config.max_window_s - _FORCE_KEEP_S:
             # No committed segment end: force-commit all but the newest audio so the window stays bounded.
             horizon_s = request.end_sample / ASR_SAMPLE_RATE - _FORCE_KEEP_S
@@ -268,10 +275,18 @@ class StreamingTranscriber:
             self._window_start = int(cut_s * ASR_SAMPLE_RATE)
             self._ring.drop_before(self._window_start)
 
+    def _prompt_text(self) -> str:
+        """The last `prompt_chars` characters of committed text, starting at a word boundary."""
+        limit = self._config.prompt_chars
+        if len(self._prompt) <= limit:
+            return self._prompt
+        tail = self._prompt[len(self._prompt) - limit :]
+        return tail.split(" ", 1)[1] if " " in tail else ""
+
     def _remember_prompt(self, words: tuple[Word, ...]) -> None:
         """Committed text that has left the window conditions later passes."""
         fresh = [w for w in words if w.end_s > self._prompt_until_s]
-        if fresh:
+        if fresh and self._config.prompt_chars:
             text = " ".join(w.text for w in fresh)
-            self._prompt = (self._prompt + " " + text).strip()[-self._config.prompt_chars :]
+            self._prompt = (self._prompt + " " + text).strip()[-4 * self._config.prompt_chars :]
             self._prompt_until_s = fresh[-1].end_s

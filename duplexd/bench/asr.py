@@ -1,7 +1,8 @@
 """`duplexd bench asr`: streaming vs offline WER, word latencies, ASR cost, and 1/2/4 concurrent streams.
 
 Everything is measured in one run on this machine: the offline transcription of the same clips by the
-same model is the accuracy baseline; a real `duplexd serve` child process serves real-time-paced clients.
+same model (faster-whisper's own whole-file `transcribe`, same beam size) is the accuracy baseline; a real
+`duplexd serve` child process serves real-time-paced clients.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _offline(clips: list[Clip], config_path: Path | None) -> tuple[dict[Path, li
         pcm, rate = read_audio(clip.path)
         assert rate == RATE, f"{clip.path} is not 16 kHz"
         t0 = time.perf_counter()
-        result = engine.transcribe(pcm.astype(np.float32) / 32768.0, "")
+        result = engine.transcribe_offline(pcm.astype(np.float32) / 32768.0)
         busy += time.perf_counter() - t0
         words[clip.path] = result.words
         texts[clip.path] = " ".join(w.text for w in result.words)
@@ -95,6 +96,17 @@ async def _run_streams(url: str, programs: list[Program]) -> list[Any]:
     return await asyncio.gather(*(stream_pcm(url, p.pcm, RATE) for p in programs))
 
 
+def _asr_load(before: dict[str, Any], after: dict[str, Any], wall_audio_s: float) -> dict[str, float | None]:
+    """Server-side ASR cost over a run: busy share of real time, passes per second, mean window."""
+    passes = after["passes"] - before["passes"]
+    return {
+        "rtf": (after["busy_s"] - before["busy_s"]) / wall_audio_s,
+        "passes_per_audio_s": passes / wall_audio_s,
+        "mean_pass_s": (after["busy_s"] - before["busy_s"]) / passes if passes else None,
+        "mean_window_s": (after["window_audio_s"] - before["window_audio_s"]) / passes if passes else None,
+    }
+
+
 def _frame_lag_p99(results: list[Any]) -> float | None:
     lags = [r.event["max_lag_ms"] for res in results for r in res.of_type("frame.ack")]
     return percentile(lags, 99)
@@ -107,7 +119,13 @@ def _growth(timings: list[WordTiming], duration_s: float) -> float | None:
     return None if not a or b is None else b / a
 
 
-def run(data: Path | None, config_path: Path | None, quick: bool) -> dict[str, Any]:
+def run(
+    data: Path | None,
+    config_path: Path | None,
+    quick: bool,
+    streams: tuple[int, ...] = (1, 2, 4),
+    per_clip: bool = True,
+) -> dict[str, Any]:
     clips = [c for c in load_clips(data) if c.text]
     if quick:
         clips = clips[:5]
@@ -124,26 +142,27 @@ def run(data: Path | None, config_path: Path | None, quick: bool) -> dict[str, A
     }
     with server_process(config_path) as port:
         url = f"ws://127.0.0.1:{port}/v1/stream"
-        before = health(port)["asr"]
-        print(f"1 stream, {len(clips)} clips one after another at real time ...", flush=True)
-        texts, timings = [], []
-        for clip in clips:
-            program = _program([clip], offline, 0.0, 0)
-            (result,) = asyncio.run(_run_streams(url, [program]))
-            texts.append(result.text)
-            timings += word_timings(result, program.words)
-        after = health(port)["asr"]
-        out["wer_streaming"] = wer([c.text or "" for c in clips], texts)
-        out["wer_relative_to_offline"] = out["wer_streaming"] / out["wer_offline"] if out["wer_offline"] else None
-        out.update(_stats(timings))
-        streamed_s = audio_s + GAP_S * len(clips)
-        out["rtf"] = (after["busy_s"] - before["busy_s"]) / streamed_s
-        out["passes_per_audio_s"] = (after["passes"] - before["passes"]) / streamed_s
+        if per_clip:
+            before = health(port)["asr"]
+            print(f"1 stream, {len(clips)} clips one after another at real time ...", flush=True)
+            texts, timings = [], []
+            for clip in clips:
+                program = _program([clip], offline, 0.0, 0)
+                (result,) = asyncio.run(_run_streams(url, [program]))
+                texts.append(result.text)
+                timings += word_timings(result, program.words)
+            after = health(port)["asr"]
+            out["wer_streaming"] = wer([c.text or "" for c in clips], texts)
+            out["wer_relative_to_offline"] = out["wer_streaming"] / out["wer_offline"] if out["wer_offline"] else None
+            out.update(_stats(timings))
+            out.update(_asr_load(before, after, audio_s + GAP_S * len(clips)))
         out["concurrency"] = {}
-        for n in (1, 2, 4):
+        for n in streams:
             print(f"{n} concurrent stream(s) of {long_s:.0f} s ...", flush=True)
             programs = [_program(clips, offline, long_s, rotate=3 * k) for k in range(n)]
+            before = health(port)["asr"]
             results = asyncio.run(_run_streams(url, programs))
+            after = health(port)["asr"]
             all_timings = []
             growth = []
             for program, result in zip(programs, results, strict=True):
@@ -156,6 +175,7 @@ def run(data: Path | None, config_path: Path | None, quick: bool) -> dict[str, A
                 "wer_streaming": wer([" ".join(p.refs) for p in programs], [r.text for r in results]),
                 "partial_latency_growth": max((g for g in growth if g is not None), default=None),
                 "stream_s": round(max(p.duration_s for p in programs), 1),
+                **_asr_load(before, after, max(p.duration_s for p in programs)),
             }
     return out
 
@@ -164,23 +184,32 @@ def table(r: dict[str, Any]) -> str:
     def f(v: Any, unit: str = "") -> str:
         return "—" if v is None else f"{v:.2f}{unit}" if isinstance(v, float) else f"{v}{unit}"
 
-    lines = [
-        f"WER streaming {f(r['wer_streaming'])} vs offline {f(r['wer_offline'])} "
-        f"(ratio {f(r['wer_relative_to_offline'])}); rtf {f(r['rtf'])}; passes/audio s {f(r['passes_per_audio_s'])}",
-        "| streams | partial p50 | partial p90 | commit p50 | commit p90 | frame lag p99 | WER | growth |",
-        "|---|---|---|---|---|---|---|---|",
+    lines = []
+    if "wer_streaming" in r:
+        lines += [
+            f"WER streaming {f(r['wer_streaming'])} vs offline {f(r['wer_offline'])} "
+            f"(ratio {f(r['wer_relative_to_offline'])}); rtf {f(r['rtf'])}; "
+            f"passes/audio s {f(r['passes_per_audio_s'])}; 1 stream per clip: partial p50 "
+            f"{f(r['partial_latency_p50_s'], ' s')}, commit p50 {f(r['commit_latency_p50_s'], ' s')}"
+        ]
+    lines += [
+        "| streams | partial p50 | partial p90 | commit p50 | commit p90 | frame lag p99 | WER | growth | rtf "
+        "| pass | window |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, c in r["concurrency"].items():
         lines.append(
             f"| {n} | {f(c['partial_latency_p50_s'], ' s')} | {f(c['partial_latency_p90_s'], ' s')} "
             f"| {f(c['commit_latency_p50_s'], ' s')} | {f(c['commit_latency_p90_s'], ' s')} "
-            f"| {f(c['frame_lag_p99_ms'], ' ms')} | {f(c['wer_streaming'])} | {f(c['partial_latency_growth'])} |"
+            f"| {f(c['frame_lag_p99_ms'], ' ms')} | {f(c['wer_streaming'])} | {f(c['partial_latency_growth'])} "
+            f"| {f(c['rtf'])} | {f(c['mean_pass_s'], ' s')} | {f(c['mean_window_s'], ' s')} |"
         )
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run(args.data, args.config, args.quick)
+    streams = tuple(int(n) for n in args.streams.split(","))
+    result = run(args.data, args.config, args.quick, streams, per_clip=not args.no_per_clip)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     print(f"wrote {args.out}")

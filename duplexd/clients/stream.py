@@ -94,7 +94,9 @@ async def stream_pcm(
     try:
         started = await client.start(sample_rate)
         t0 = time.monotonic()
-        result = StreamResult(started["session_id"], t0, speed)
+        result = StreamResult(started["session_id"], t0, speed, [Received(t0, started)])
+        if on_event is not None:
+            on_event(result.events[0])
 
         async def receive() -> None:
             async for raw in client.ws:

@@ -292,3 +292,23 @@ def test_committed_plus_tentative_is_the_latest_hypothesis(case: tuple[int, list
     before = len(committed)
     committed.extend(la.commit_all())
     assert committed == truth[: max(before, ends[-1])]
+
+
+def test_a_word_whose_start_jittered_before_the_committed_end_is_kept() -> None:
+    """Timestamps move between passes: 'circumstances' now starts before where 'the' used to end."""
+    la = LocalAgreement(2)
+    first = [Word("nor", 4.6, 4.7), Word("of", 4.7, 4.88), Word("the", 4.88, 5.26)]
+    la.insert(first)
+    assert texts(la.insert(first)) == ["nor", "of", "the"]
+    assert la.committed_end_s == pytest.approx(5.26)
+    moved = [Word("nor", 4.58, 4.7), Word("of", 4.7, 4.84), Word("the", 4.84, 5.02), Word("circumstances", 5.02, 5.5)]
+    assert la.insert(moved) == []
+    assert texts(la.tentative) == ["circumstances"]  # found after the committed "of the", not dropped by time
+
+
+def test_one_shared_word_does_not_pull_the_cut_back() -> None:
+    """A single common word before the time cut is not taken for the committed tail."""
+    la = LocalAgreement(1)
+    la.insert([Word("a", 0.0, 0.2), Word("the", 0.2, 0.5)])
+    got = la.insert([Word("the", 0.0, 0.1), Word("cat", 0.6, 0.9)])
+    assert texts(got) == ["cat"]

@@ -394,23 +394,28 @@ def test_abort_for_an_old_generation_is_silent() -> None:
     assert t.abort_pass(stale) == []
 
 
-def test_a_pause_shorter_than_the_wait_for_its_final_pass_continues_the_utterance() -> None:
+def test_speech_queued_behind_a_final_pass_merges_only_beyond_one_utterance() -> None:
+    """While utterance 1 waits for its final pass, the next speech is queued as utterance 2; any further
+    speech before then extends utterance 2 (at most two final passes owed per session)."""
     t = StreamingTranscriber(AsrConfig())
     t.speech_started(0.0)
     feed(t, 1.0)
     t.speech_stopped(1.0)
-    feed(t, 0.5)
-    t.speech_started(1.5)  # the final pass has not started yet: same utterance, no final due
-    feed(t, 1.0)
+    for start_s in (1.5, 2.5):  # two more bursts of speech before any pass ran
+        feed(t, start_s - t.samples / SR)
+        t.speech_started(start_s)
+        feed(t, 0.5)
+        t.speech_stopped(start_s + 0.5)
     request = t.prepare_pass()
-    assert not request.final and (request.start_sample, request.end_sample) == (0, int(2.5 * SR))
-    t.apply_pass(request, result(HELLO))
-    t.speech_stopped(2.5)
-    request = t.prepare_pass()
-    assert request.final and request.end_sample == int(2.5 * SR)
-    (final,) = t.apply_pass(request, result(HELLO_AGAIN))
+    assert request.final and (request.start_sample, request.end_sample) == (0, SR)
+    (final,) = t.apply_pass(request, result(HELLO))
     assert isinstance(final, UtteranceFinalized) and final.utterance == 1
-    assert texts(final.words) == ["hello", "world", "again"]
+    request = t.prepare_pass()
+    assert request.final and (request.start_sample, request.end_sample) == (SR, 3 * SR)
+    (final,) = t.apply_pass(request, result([("again", 0.6, 0.9), ("friend", 1.6, 1.9)]))
+    assert isinstance(final, UtteranceFinalized) and final.utterance == 2
+    assert texts(final.words) == ["again", "friend"]
+    assert not t.wants_pass()
 
 
 def test_speech_during_a_final_pass_opens_the_next_utterance() -> None:

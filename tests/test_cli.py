@@ -1,0 +1,113 @@
+"""The `duplexd` command as a user runs it: a real process, real signals, a real port."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from duplexd.cli import build_parser
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(port: int, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "duplexd", "serve", "--port", str(port), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_healthy(proc: subprocess.Popen[str], port: int) -> dict:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError("server did not come up")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_starts_logs_and_stops_cleanly_on_signal(sig: signal.Signals) -> None:
+    port = _free_port()
+    proc = _start(port)
+    try:
+        health = _wait_healthy(proc, port)
+        assert health["status"] == "ok"
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert f"http://localhost:{port}/" in out
+    assert "models loaded" in err and "listening on" in err and "stopped" in err
+    assert "Traceback" not in err
+
+
+def test_serve_reports_a_busy_port_without_a_traceback() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _start(port)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_serve_rejects_a_bad_config_file(tmp_path: Path) -> None:
+    bad = tmp_path / "duplexd.toml"
+    bad.write_text("[asr]\nbeam_size = 0\n")
+    proc = _start(_free_port(), "--config", str(bad))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "asr.beam_size must be >= 1, got 0" in err and "Traceback" not in err
+
+
+def test_stream_command_prints_transcripts(clip_by_name) -> None:
+    port = _free_port()
+    proc = _start(port)
+    try:
+        _wait_healthy(proc, port)
+        clip = clip_by_name["clip02_libri_1272-128104-0000.wav"]
+        url = f"ws://127.0.0.1:{port}/v1/stream"
+        run = subprocess.run(
+            [sys.executable, "-m", "duplexd", "stream", str(clip.path), "--url", url, "--speed", "2", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert run.returncode == 0, run.stderr
+    events = [json.loads(line) for line in run.stdout.splitlines()]
+    kinds = {e["type"] for e in events}
+    assert {"session.started", "frame.ack", "transcript.partial", "transcript.final", "session.ended"} <= kinds
+    final = " ".join(e["text"] for e in events if e["type"] == "transcript.final").lower()
+    assert "quilter" in final and "gospel" in final
+
+
+def test_parser_knows_every_command() -> None:
+    parser = build_parser()
+    for argv in (["serve"], ["stream", "x.wav"], ["bench", "asr", "--out", "x.json"], ["models"]):
+        assert parser.parse_args(argv).command == argv[0]
