@@ -153,6 +153,16 @@ def run(
                 timings += word_timings(result, program.words)
             after = health(port)["asr"]
             out["wer_streaming"] = wer([c.text or "" for c in clips], texts)
+            out["per_clip"] = [
+                {
+                    "clip": c.path.name,
+                    "wer_streaming": wer([c.text or ""], [text]),
+                    "wer_offline": wer([c.text or ""], [offline_text[c.path]]),
+                    "streaming": text,
+                    "offline": offline_text[c.path],
+                }
+                for c, text in zip(clips, texts, strict=True)
+            ]
             out["wer_relative_to_offline"] = out["wer_streaming"] / out["wer_offline"] if out["wer_offline"] else None
             out.update(_stats(timings))
             out.update(_asr_load(before, after, audio_s + GAP_S * len(clips)))

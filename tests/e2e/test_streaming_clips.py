@@ -19,9 +19,9 @@ E2E_CLIPS = [
     "clip06_lj050-0131.wav",
     "clip22_deepspeech_new_home.wav",
 ]
-# Streaming WER on these clips measured 0.0x (docs/benchmarks.md); the bound leaves a wide margin for
-# run-to-run variation in pass timing without letting a broken commit policy through.
-WER_BOUND = 0.25
+# Streaming WER on these four clips measured 0.06 (offline decoding of the same clips also errs on clip06);
+# the bound leaves room for run-to-run variation in pass timing without letting a broken commit policy through.
+WER_BOUND = 0.15
 
 
 async def test_clips_stream_live_and_match_reference(make_server, clip_by_name: dict[str, Clip]) -> None:
@@ -62,8 +62,8 @@ async def test_concurrent_streams_do_not_mix(make_server, clip_by_name: dict[str
     a, b = clip_by_name["clip01_jfk.wav"], clip_by_name["clip03_libri_2412-153948-0000.wav"]
     ra, rb = await asyncio.gather(stream_file(srv.url, a.path), stream_file(srv.url, b.path))
     assert ra.session_id != rb.session_id
-    assert wer([a.text or ""], [ra.text]) <= 0.35, ra.text
-    assert wer([b.text or ""], [rb.text]) <= 0.35, rb.text
+    assert wer([a.text or ""], [ra.text]) <= 0.2, ra.text  # measured 0.09 and 0.0
+    assert wer([b.text or ""], [rb.text]) <= 0.2, rb.text
     # Each stream's distinctive words stay in that stream.
     assert not {"americans", "fellow", "ask"} & set(normalize(rb.text)), rb.text
     assert not {"reader", "narrative", "antecedents"} & set(normalize(ra.text)), ra.text
