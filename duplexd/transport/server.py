@@ -194,7 +194,8 @@ class _Connection:
             # The client does not read fast enough; rather than buffer without bound, end the session.
             self._overflowed = True
             log.warning("closing slow client %s", self.session.id if self.session else "?")
-            self.ws.transport.abort() if self.ws.transport else None
+            if self.ws.transport is not None:
+                self.ws.transport.abort()
 
     def emit(self, events: list[Event]) -> None:
         for event in events:
