@@ -87,7 +87,7 @@ class StreamingTranscriber:
         self._ring = AudioRing(int(config.ring_s * ASR_SAMPLE_RATE))
         self._agreement = LocalAgreement(config.agreement_n)
         self._prompt = ""
-        # Speech that resumed while the open utterance's final pass was in flight: the next utterance.
+        # Speech that started after the open utterance's end of speech, before its final pass came back.
         self._next: _Next | None = None
         self._utterance = 0
         self._generation = 0
@@ -98,7 +98,6 @@ class StreamingTranscriber:
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
         self._last_partial: tuple[tuple[Word, ...], int] | None = None
         self._in_flight = False
-        self._final_in_flight = False
         self._behind = False  # the ring overflowed and no pass has come back since
         self._prompt_until_s = 0.0
 
@@ -178,7 +177,6 @@ class StreamingTranscriber:
         final = self._final_end is not None and end <= limit
         end = min(end, limit)
         self._in_flight = True
-        self._final_in_flight = final
         return PassRequest(
             audio=self._ring.read(self._window_start, end),
             prompt=self._prompt_text(),
@@ -194,7 +192,7 @@ class StreamingTranscriber:
 
     def abort_pass(self, request: PassRequest) -> list[Event]:
         """The engine failed on `request`: skip its audio (said aloud, not silently) so nothing spins."""
-        self._in_flight = self._final_in_flight = False
+        self._in_flight = False
         if request.generation != self._generation or not self._active:
             return []
         self._decoded_until = max(self._decoded_until, request.end_sample)
@@ -210,7 +208,7 @@ class StreamingTranscriber:
         return self._finalize(self._agreement.commit_all())
 
     def apply_pass(self, request: PassRequest, result: Transcription) -> list[Event]:
-        self._in_flight = self._final_in_flight = False
+        self._in_flight = False
         self._behind = False
         if request.generation != self._generation or not self._active:
             return []
