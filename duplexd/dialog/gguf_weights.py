@@ -1,0 +1,203 @@
+"""Read a Llama-architecture GGUF file: model config, tokenizer, chat template and float32 weights.
+
+Parsing and dequantization are done by the `gguf` package (`GGUFReader`, `gguf.quants.dequantize`);
+the tokenizer is a `tokenizers.Tokenizer` built from the file's vocabulary and merges.
+
+Q/K layout convention. llama.cpp's converter permutes the rows of `attn_q`/`attn_k` from Hugging Face's
+"rotate half" layout (dimension i pairs with i + head_dim/2) back to Meta's original interleaved layout
+(dimension 2i pairs with 2i+1). We keep the GGUF rows exactly as stored, and `model.py` applies RoPE to
+adjacent pairs, as Meta's reference code and gpt-fast do. No un-permutation is needed. Attention scores
+are unchanged by the layout (the same permutation is applied to q and k), so logits equal those of a
+Hugging Face model that un-permutes the weights and rotates halves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, TokenType
+from gguf.quants import dequantize
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from duplexd.errors import EngineError
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """Shape of a Llama-architecture model, read from GGUF metadata."""
+
+    vocab: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    rope_theta: float
+    norm_eps: float
+    context_length: int
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "context_length"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {value}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"LlamaConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"LlamaConfig.rope_theta must be positive, got {self.rope_theta}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"LlamaConfig.norm_eps must be positive, got {self.norm_eps}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTokenizer:
+    """The model's tokenizer with its special ids and chat template."""
+
+    tokenizer: Tokenizer
+    bos_id: int
+    eos_id: int
+    chat_template: str
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in it (e.g. `<|im_start|>`) become their ids."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """Render `messages` ({"role", "content"} dicts) with the model's Jinja chat template."""
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        bos = self.tokenizer.id_to_token(self.bos_id)
+        eos = self.tokenizer.id_to_token(self.eos_id)
+        return template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Memory-map a GGUF file."""
+    return GGUFReader(path)
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        raise EngineError(f"GGUF metadata key {key!r} is missing")
+    return field.contents()
+
+
+def read_config(reader: GGUFReader) -> LlamaConfig:
+    """The model shape from the GGUF metadata (only the `llama` architecture is supported)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise EngineError(f"unsupported GGUF architecture {arch!r} (expected 'llama')")
+    dim = int(_field(reader, "llama.embedding_length"))
+    n_heads = int(_field(reader, "llama.attention.head_count"))
+    head_count_kv = reader.get_field("llama.attention.head_count_kv")
+    key_length = reader.get_field("llama.attention.key_length")
+    vocab_size = reader.get_field("llama.vocab_size")
+    names = {t.name for t in reader.tensors}
+    return LlamaConfig(
+        vocab=int(vocab_size.contents()) if vocab_size else len(_field(reader, "tokenizer.ggml.tokens")),
+        dim=dim,
+        n_layers=int(_field(reader, "llama.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(head_count_kv.contents()) if head_count_kv else n_heads,
+        head_dim=int(key_length.contents()) if key_length else dim // n_heads,
+        hidden_dim=int(_field(reader, "llama.feed_forward_length")),
+        rope_theta=float(_field(reader, "llama.rope.freq_base")),
+        norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        context_length=int(_field(reader, "llama.context_length")),
+        tie_embeddings="output.weight" not in names,
+    )
+
+
+def read_tokenizer(reader: GGUFReader) -> ChatTokenizer:
+    """A byte-level BPE tokenizer (GPT-2 style) from `tokenizer.ggml.tokens`/`merges`, plus ids and template.
+
+    Pre-tokenization follows llama.cpp's `smollm` pre-tokenizer: every digit is its own piece, then the
+    GPT-2 regex. Control tokens (`<|im_start|>` ...) are added as special tokens so they are matched whole.
+    """
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise EngineError(f"unsupported GGUF tokenizer model {kind!r} (expected 'gpt2', byte-level BPE)")
+    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
+    merges: list[str] = list(_field(reader, "tokenizer.ggml.merges"))
+    token_types: list[int] = list(_field(reader, "tokenizer.ggml.token_type"))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    control = [tok for tok, kind in zip(tokens, token_types, strict=True) if kind == TokenType.CONTROL]
+    tokenizer.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok in control])
+    user = [tok for tok, kind in zip(tokens, token_types, strict=True) if kind == TokenType.USER_DEFINED]
+    if user:
+        tokenizer.add_tokens([AddedToken(tok, special=False, normalized=False) for tok in user])
+    return ChatTokenizer(
+        tokenizer=tokenizer,
+        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        chat_template=str(_field(reader, "tokenizer.chat_template")),
+    )
+
+
+def _our_name(gguf_name: str) -> str:
+    """Map a GGUF tensor name to the parameter name in `model.Transformer` (gpt-fast naming)."""
+    fixed = {
+        "token_embd.weight": "tok_embeddings.weight",
+        "output_norm.weight": "norm.weight",
+        "output.weight": "output.weight",
+    }
+    if gguf_name in fixed:
+        return fixed[gguf_name]
+    blk, layer, rest = gguf_name.split(".", 2)
+    if blk != "blk":
+        raise EngineError(f"unexpected GGUF tensor {gguf_name!r}")
+    per_layer = {
+        "attn_norm.weight": "attention_norm.weight",
+        "attn_q.weight": "attention.wq.weight",
+        "attn_k.weight": "attention.wk.weight",
+        "attn_v.weight": "attention.wv.weight",
+        "attn_output.weight": "attention.wo.weight",
+        "ffn_norm.weight": "ffn_norm.weight",
+        "ffn_gate.weight": "feed_forward.w1.weight",
+        "ffn_down.weight": "feed_forward.w2.weight",
+        "ffn_up.weight": "feed_forward.w3.weight",
+    }
+    if rest not in per_layer:
+        raise EngineError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"layers.{int(layer)}.{per_layer[rest]}"
+
+
+def read_weights(reader: GGUFReader) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to float32, keyed by `model.Transformer` parameter names.
+
+    Shapes are torch's `[out_features, in_features]`; Q/K rows stay in the GGUF (interleaved RoPE) order.
+    """
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if not array.flags.writeable:  # an F32 tensor is a view of the read-only memory map
+            array = array.copy()
+        weights[_our_name(t.name)] = torch.from_numpy(array)
+    return weights
