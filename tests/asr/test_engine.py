@@ -1,0 +1,56 @@
+"""The faster-whisper engine on real audio: one pass, the offline baseline, and the prompt cap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duplexd.bench.data import Clip, wer
+from duplexd.clients.stream import read_audio
+
+pytestmark = pytest.mark.slow
+
+
+def _audio(clip: Clip) -> np.ndarray:
+    pcm, rate = read_audio(clip.path)
+    assert rate == 16000
+    return pcm.astype(np.float32) / 32768
+
+
+def test_one_pass_transcribes_a_clip_with_word_times(engines, clip_by_name: dict[str, Clip]) -> None:
+    _, asr = engines
+    clip = clip_by_name["clip02_libri_1272-128104-0000.wav"]
+    result = asr.transcribe(_audio(clip), "")
+    words = result.words
+    assert wer([clip.text or ""], [" ".join(w.text for w in words)]) <= 0.1
+    starts = [w.start_s for w in words]
+    assert starts == sorted(starts)
+    assert all(0.0 <= w.start_s <= w.end_s <= clip.duration_s + 0.05 for w in words)
+
+
+def test_offline_baseline_transcribes_the_same_clip(engines, clip_by_name: dict[str, Clip]) -> None:
+    _, asr = engines
+    clip = clip_by_name["clip02_libri_1272-128104-0000.wav"]
+    result = asr.transcribe_offline(_audio(clip))
+    assert wer([clip.text or ""], [" ".join(w.text for w in result.words)]) <= 0.1
+
+
+@pytest.mark.parametrize("kind", ["silence", "white noise"])
+def test_a_pass_over_no_speech_yields_no_words(engines, kind: str) -> None:
+    _, asr = engines
+    n = 3 * 16000
+    audio = np.zeros(n, np.float32) if kind == "silence" else np.random.default_rng(3).normal(0, 0.03, n)
+    assert asr.transcribe(audio.astype(np.float32), "").words == []
+
+
+def test_the_prompt_is_cut_to_its_last_whole_words(engines) -> None:
+    _, asr = engines
+    text = (
+        "If the reader will excuse me, I will say nothing of my antecedents, nor of the circumstances which led"
+        " me to leave my native country. The narrative would be tedious to him and painful to myself."
+    )
+    tokens = asr._clip_prompt(text)
+    assert 0 < len(tokens) <= asr._config.prompt_max_tokens
+    kept = asr._tokenizer.decode(tokens).strip()
+    assert kept != text and text.endswith(" " + kept)  # the newest whole words, none cut in half
+    assert asr._clip_prompt("") == []
