@@ -13,7 +13,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +224,3 @@ def main(args: argparse.Namespace) -> int:
     print(table(result))
     print(f"wrote {args.out}")
     return 0
-
-
-__all__ = ["Program", "asdict", "main", "run", "table"]

@@ -38,7 +38,6 @@ class VadWorker:
         self._engine = engine
         self._queue: asyncio.Queue[_VadJob] = asyncio.Queue(maxsize=max_pending)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-vad")
-        self.batches = 0
 
     async def probabilities(self, stream: VadStream, chunks: np.ndarray) -> np.ndarray:
         if len(chunks) == 0:
@@ -66,7 +65,6 @@ class VadWorker:
                     if not job.done.done():
                         job.done.set_exception(exc)
                 continue
-            self.batches += 1
             for job, p in zip(jobs, probs, strict=True):
                 if not job.done.done():
                     job.done.set_result(p)
@@ -111,7 +109,7 @@ class AsrScheduler:
     async def drained(self, session: Session) -> None:
         """Wait until `session` has no pass due or in flight."""
         client = self._clients[session.id]
-        while session.wants_pass() or session.transcriber.pass_in_flight:
+        while session.wants_pass() or session.pass_in_flight:
             client.idle.clear()
             self.notify()
             await client.idle.wait()
@@ -135,7 +133,7 @@ class AsrScheduler:
                     )
                 except Exception:
                     log.exception("ASR pass failed for session %s", session.id)
-                    client.emit(session.transcriber.abort_pass(request))
+                    client.emit(session.abort_pass(request))
                     client.idle.set()
                     continue
                 finally:

@@ -123,3 +123,13 @@ class Session:
 
     def apply_pass(self, request: PassRequest, result: Transcription) -> list[Event]:
         return self.transcriber.apply_pass(request, result)
+
+    @property
+    def pass_in_flight(self) -> bool:
+        return self.transcriber.pass_in_flight
+
+    def abort_pass(self, request: PassRequest) -> list[Event]:
+        return self.transcriber.abort_pass(request)
+
+    def finish_without_pass(self) -> list[Event]:
+        return self.transcriber.finish_final_without_pass()

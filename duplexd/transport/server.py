@@ -291,5 +291,5 @@ class _Connection:
         await self._run_vad(session, session.flush_audio())
         session.end_of_stream()
         await self.server.asr.drained(session)
-        self.emit(session.transcriber.finish_final_without_pass())
+        self.emit(session.finish_without_pass())
         self.send({"type": ServerType.SESSION_ENDED, "session_id": session.id})
