@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -110,14 +111,62 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.what == "asr":
         return bench_asr.main(args)
+    if args.what == "llm":
+        from duplexd.bench import llm as bench_llm
+
+        return bench_llm.main(args)
     raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from duplexd.dialog.chat import run_chat
+    from duplexd.dialog.engine import DialogEngine, EngineConfig
+    from duplexd.errors import EngineError
+
+    overrides = {"dialog": {"system_prompt": args.system, "model": args.model}}
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except (OSError, ValueError) as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    engine_config = dataclasses.replace(EngineConfig.from_config(config.dialog), max_sessions=1)
+    try:
+        engine = DialogEngine.load(engine_config)
+    except EngineError as exc:
+        log.error("could not load the dialog model: %s", exc)
+        return 1
+    try:
+        return run_chat(engine, sys.stdin, sys.stdout, interactive=sys.stdin.isatty())
+    except KeyboardInterrupt:
+        print()
+        return 0
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
     from duplexd.asr.engine import default_asr_model
     from duplexd.asr.vad import default_vad_model
+    from duplexd.dialog.models import cached_llm
 
-    print(json.dumps({"vad": str(default_vad_model()), "asr": str(default_asr_model())}, indent=2))
+    if args.action == "pull":
+        return _pull_llm()
+    gguf, converted = cached_llm()  # None until `duplexd models pull` (or the first dialog) fetched them
+    paths = {"vad": default_vad_model(), "asr": default_asr_model(), "llm": gguf, "llm_converted": converted}
+    print(json.dumps({name: None if path is None else str(path) for name, path in paths.items()}, indent=2))
+    return 0
+
+
+def _pull_llm() -> int:
+    from duplexd.dialog.weights import pull
+    from duplexd.errors import EngineError
+
+    start_s = time.perf_counter()
+    try:
+        gguf, converted = pull()
+    except EngineError as exc:
+        log.error("could not pull the dialog LLM: %s", exc)
+        return 1
+    log.info("dialog LLM ready in %.1fs", time.perf_counter() - start_s)
+    print(json.dumps({"llm": str(gguf), "llm_converted": str(converted)}, indent=2))
     return 0
 
 
@@ -143,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stream)
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
-    p.add_argument("what", choices=["asr"])
+    p.add_argument("what", choices=["asr", "llm"])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
@@ -154,7 +203,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=None)
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("models", help="show where the embedded default models are")
+    p = sub.add_parser("chat", help="talk to the dialog engine in the terminal (text only)")
+    p.add_argument("--config", type=Path, default=None, help="TOML config file (its [dialog] section)")
+    p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file, or a local HF model folder")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("models", help="show where the default models are, or pull the dialog LLM")
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=["list", "pull"],
+        default="list",
+        help="list: print the model paths (default); pull: fetch the dialog LLM and convert it once",
+    )
     p.set_defaults(func=_cmd_models)
     return parser
 

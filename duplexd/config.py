@@ -129,10 +129,47 @@ class TransportConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DialogConfig:
+    """The dialog LLM engine (`[dialog]`): model, bounded KV window, pool size, step budget."""
+
+    model: str = "smollm2"
+    """`smollm2` (the embedded SmolLM2-135M-Instruct GGUF), a `.gguf` file, or a local HF Llama/Qwen2 folder."""
+    dtype: str = "float32"
+    sink_tokens: int = 4
+    window_tokens: int = 1020
+    max_sessions: int = 16
+    """KV slots allocated up front: the most conversations the engine holds at once."""
+    prefill_chunk: int = 64
+    step_token_budget: int = 128
+    max_reply_tokens: int = 160
+    system_prompt: str = (
+        "You are a friendly voice assistant. Your replies are spoken aloud, so answer in one or two short, "
+        "plain sentences without lists or markdown."
+    )
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "bfloat16"), "dialog.dtype", self.dtype, "float32 or bfloat16")
+        _require(self.sink_tokens >= 0, "dialog.sink_tokens", self.sink_tokens, ">= 0")
+        _require(self.window_tokens >= 1, "dialog.window_tokens", self.window_tokens, ">= 1")
+        _require(self.max_sessions >= 1, "dialog.max_sessions", self.max_sessions, ">= 1")
+        _require(
+            1 <= self.prefill_chunk <= self.window_tokens,
+            "dialog.prefill_chunk",
+            self.prefill_chunk,
+            "1..window_tokens",
+        )
+        _require(self.step_token_budget >= 1, "dialog.step_token_budget", self.step_token_budget, ">= 1")
+        _require(self.max_reply_tokens >= 1, "dialog.max_reply_tokens", self.max_reply_tokens, ">= 1")
+        _require(self.threads >= 0, "dialog.threads", self.threads, ">= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     vad: VadConfig = field(default_factory=VadConfig)
     asr: AsrConfig = field(default_factory=AsrConfig)
+    dialog: DialogConfig = field(default_factory=DialogConfig)
 
 
 def _coerce(value: str, kind: Any, name: str) -> Any:

@@ -1,12 +1,26 @@
 """A plain-torch Llama (gpt-fast style): RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
 
-`Transformer.forward` runs a full causal pass over `tokens[1, T]` and returns `logits[1, T, vocab]`.
-There is no KV cache yet. RoPE rotates adjacent pairs (2i, 2i+1) of each head: the Q/K layout that
-GGUF files store (see `gguf_weights`).
+Two ways to run it:
+
+- `Transformer.forward(tokens[B, T])`: a full causal pass from position 0 (the reference, and the
+  full-attention perplexity probe).
+- `Transformer.step(rows, segments, attend)`: the engine's packed pass. All new tokens of one engine step,
+  from every session, are packed into one `[N]` row vector; the engine's `attend` callback does each
+  session's attention against its own bounded KV window (`dialog/kv_window.py`).
+
+Batch invariance. Library GEMMs pick a kernel by the number of rows, so a row's float result changes with
+how many other rows share the call. Single-token rows (decode, and one-token prefill) therefore go through
+`rowwise_linear`: a batched matmul whose batch items are computed one row at a time, bitwise equal to that
+row alone. Multi-token prefill chunks get one plain `F.linear` each, so their result depends on the chunk
+only. A session's numbers (and so its greedy tokens) never depend on what it shares a step with.
+
+RoPE rotates adjacent pairs (2i, 2i+1) of each head: the Q/K layout GGUF files store (`gguf_weights`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,26 +39,55 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op: steps are op-bound
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
-def rope_cos_sin(seq_len_tokens: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin tables `[seq_len, head_dim // 2]` for positions 0..seq_len-1 (float32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len_tokens, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+def rope_angles(positions: Tensor, head_dim: int, theta: float) -> Tensor:
+    """Unit complex rotations `[len(positions), head_dim // 2]` (complex64) for integer positions.
+
+    Angles are computed in float64, so positions in the millions (a session that runs for days) still get
+    exact relative phases after the cast.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(positions.to(torch.float64), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate adjacent pairs of `x[B, T, H, D]` by the angles for its T positions (`cos`, `sin`: `[T, D/2]`)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
+    """Rotate adjacent pairs of `x[T, H, D]` by `rotation[T, D/2]` (complex)."""
+    x32 = x if x.dtype == torch.float32 else x.float()
+    pairs = torch.view_as_complex(x32.unflatten(-1, (-1, 2)).contiguous())
+    rotated = torch.view_as_real(pairs * rotation[:, None, :]).flatten(-2)
+    return rotated if x.dtype == torch.float32 else rotated.type_as(x)
+
+
+def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear(x, weight)` for `x[N, K]`, computed one row at a time (bitwise batch-invariant).
+
+    float32: one `bmm` whose batch items are single rows (measured bitwise equal to `F.linear` on the row
+    alone, at any N). bfloat16 has no fast batched kernel for that shape, so its rows are separate calls.
+    """
+    if x.dtype != torch.float32:
+        return torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
+    n = x.shape[0]
+    out = torch.bmm(x.unsqueeze(1), weight.t().expand(n, -1, -1)).squeeze(1)
+    return out if bias is None else out + bias
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """`length` consecutive packed rows that belong to one session (one prefill chunk, or one token)."""
+
+    start: int
+    length: int
+
+
+AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+"""`attend(layer, q[N, H, D], k[N, Hkv, D], v[N, Hkv, D]) -> out[N, H, D]` (pre-RoPE q/k)."""
 
 
 class Attention(nn.Module):
@@ -53,36 +96,44 @@ class Attention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.dim, qkv, bias=config.attn_bias)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`[..., qkv]` -> q `[..., H, D]`, k and v `[..., Hkv, D]`."""
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return (
+            q.unflatten(-1, (self.n_heads, self.head_dim)),
+            k.unflatten(-1, (self.n_kv_heads, self.head_dim)),
+            v.unflatten(-1, (self.n_kv_heads, self.head_dim)),
+        )
+
+    def forward(self, x: Tensor, rotation: Tensor) -> Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.split_qkv(self.wqkv(x))
+        q = apply_rope(q.flatten(0, 1), rotation.repeat(batch, 1)).unflatten(0, (batch, seq))
+        k = apply_rope(k.flatten(0, 1), rotation.repeat(batch, 1)).unflatten(0, (batch, seq))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        group = self.n_heads // self.n_kv_heads  # query heads h*group .. h*group+group-1 share kv head h
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(gate x) * up x), with gate and up fused into one matrix `w13`."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.hidden_dim, bias=False)
+        self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.hidden_dim, bias=False)
+
+    def activate(self, h13: Tensor) -> Tensor:
+        gate, up = h13.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.activate(self.w13(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -93,9 +144,24 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, rotation: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rotation)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _packed_linear(x: Tensor, layer: nn.Linear, segments: Sequence[Segment]) -> Tensor:
+    """`layer(x)` for packed rows, batch-invariant: one-token segments rowwise, longer ones per segment."""
+    singles = [s.start for s in segments if s.length == 1]
+    out = x.new_empty(x.shape[0], layer.out_features)
+    if singles:
+        if len(singles) == x.shape[0]:
+            return rowwise_linear(x, layer.weight, layer.bias)
+        index = torch.tensor(singles)
+        out[index] = rowwise_linear(x[index], layer.weight, layer.bias)
+    for s in segments:
+        if s.length > 1:
+            out[s.start : s.start + s.length] = F.linear(x[s.start : s.start + s.length], layer.weight, layer.bias)
+    return out
 
 
 class Transformer(nn.Module):
@@ -108,20 +174,38 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_cos_sin(config.context_length, config.head_dim, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """Causal logits `[B, T, vocab]` for `tokens[B, T]` at positions 0..T-1."""
+        """Causal logits `[B, T, vocab]` for `tokens[B, T]` at positions 0..T-1 (full attention)."""
         seq = tokens.shape[1]
         if seq > self.config.context_length:
             raise EngineError(f"{seq} tokens exceed the model's context of {self.config.context_length}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        rotation = rope_angles(torch.arange(seq), self.config.head_dim, self.config.rope_theta)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, rotation)
         return self.output(self.norm(x))
+
+    def step(self, tokens: Tensor, segments: Sequence[Segment], attend: AttendFn, logits_rows: Tensor | None) -> Tensor:
+        """One packed engine step: `tokens[N]` from several sessions, attention delegated to `attend`.
+
+        Returns logits `[len(logits_rows), vocab]` for the requested rows only (the output head is a fifth
+        of the weights; a prefill chunk needs logits for its last token at most), computed rowwise. With
+        `logits_rows=None`, logits for every row in one plain matmul (scoring a text, not decoding).
+        """
+        x = self.tok_embeddings(tokens)
+        for index, layer in enumerate(self.layers):
+            block: TransformerBlock = layer  # type: ignore[assignment]
+            attn = block.attention
+            q, k, v = attn.split_qkv(_packed_linear(block.attention_norm(x), attn.wqkv, segments))
+            out = attend(index, q, k, v).flatten(-2)
+            h = x + _packed_linear(out, attn.wo, segments)
+            ffn = block.feed_forward
+            hidden = ffn.activate(_packed_linear(block.ffn_norm(h), ffn.w13, segments))
+            x = h + _packed_linear(hidden, ffn.w2, segments)
+        if logits_rows is None:
+            return self.output(self.norm(x))
+        return rowwise_linear(self.norm(x[logits_rows]), self.output.weight)
 
     @classmethod
     def from_gguf(cls, path: Path) -> Transformer:
@@ -131,15 +215,35 @@ class Transformer(nn.Module):
     @classmethod
     def from_reader(cls, reader: GGUFReader) -> Transformer:
         """Like `from_gguf`, from an already opened file (opening one parses its metadata: seconds)."""
-        config = read_config(reader)
+        return cls.from_state_dict(read_config(reader), read_weights(reader))
+
+    @classmethod
+    def from_state_dict(
+        cls, config: LlamaConfig, weights: Mapping[str, Tensor], dtype: torch.dtype = torch.float32
+    ) -> Transformer:
+        """Build the model from per-projection weights (`wq`/`wk`/`wv`, `w1`/`w3` fused here), in eval mode."""
         with torch.device("meta"):
             model = cls(config)
-        weights = read_weights(reader)
+        state = fuse_projections(config, weights)
         if config.tie_embeddings:
-            weights["output.weight"] = weights["tok_embeddings.weight"]
-        model.load_state_dict(weights, strict=True, assign=True)
+            state["output.weight"] = state["tok_embeddings.weight"]
+        state = {name: t.to(dtype) for name, t in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
         if config.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
-        cos, sin = rope_cos_sin(config.context_length, config.head_dim, config.rope_theta)
-        model.rope_cos, model.rope_sin = cos, sin
         return model.eval().requires_grad_(False)
+
+
+def fuse_projections(config: LlamaConfig, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Per-projection names (`attention.wq`, `feed_forward.w1`, ...) -> this model's fused ones."""
+    state = dict(weights)
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            names = [f"{p}attention.{w}.{kind}" for w in ("wq", "wk", "wv")]
+            if all(n in state for n in names):
+                state[f"{p}attention.wqkv.{kind}"] = torch.cat([state.pop(n) for n in names])
+        gate, up = f"{p}feed_forward.w1.weight", f"{p}feed_forward.w3.weight"
+        if gate in state and up in state:
+            state[f"{p}feed_forward.w13.weight"] = torch.cat([state.pop(gate), state.pop(up)])
+    return state

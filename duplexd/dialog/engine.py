@@ -1,0 +1,510 @@
+"""The dialog engine: one model, every session, one batched forward per step.
+
+Each session is a conversation whose KV state lives in one slot of a `KvPool` (S sinks + a W-token ring,
+so it is bounded by construction). The session core drives it with a small duplex API:
+
+    sid = engine.open()                  # system prompt ingested by the next steps
+    engine.append_user_text(sid, " so")  # committed words as they arrive (prefilled while listening)
+    engine.p_end_of_turn(sid)            # P(next token closes the user's turn), once the words are in
+    engine.start_reply(sid)              # close the user turn; reply tokens come out of `step()`
+    engine.step()                        # -> {sid: [new reply tokens]}
+    engine.interrupt(sid, heard_tokens)  # barge-in: keep only what the user heard
+    child = engine.fork(sid)             # a copy for drafts (speculative listening)
+
+A step packs, in priority order: one decode token for every replying session, then prefill chunks for
+replying sessions (the assistant header), then for listening sessions, then for drafts, within a token
+budget. Greedy decoding is deterministic and batch-invariant (see `model.py`), so a session's tokens are
+the same whether it shares its steps or runs alone.
+
+The engine is not thread-safe: one worker thread owns it (the scheduler's LLM worker).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from duplexd.config import DialogConfig
+from duplexd.dialog.gguf_weights import ChatTokenizer
+from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
+from duplexd.dialog.model import Segment, Transformer, apply_rope
+from duplexd.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DialogEngine",
+    "EngineConfig",
+    "Priority",
+    "UnknownSession",
+    "WindowConfig",
+    "sequence_nll",
+]
+
+_DEFAULTS = DialogConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine sizing. `max_sessions` KV slots of `window.capacity` rows each are allocated up front.
+
+    Defaults are those of the `[dialog]` config section (`config.DialogConfig`); `from_config` maps it.
+    """
+
+    window: WindowConfig = field(default_factory=lambda: WindowConfig(_DEFAULTS.sink_tokens, _DEFAULTS.window_tokens))
+    max_sessions: int = _DEFAULTS.max_sessions
+    prefill_chunk: int = _DEFAULTS.prefill_chunk
+    """Most tokens of one session prefilled in one step (bounds step latency for speaking sessions)."""
+    step_token_budget: int = _DEFAULTS.step_token_budget
+    """Most tokens (decode + prefill) in one step; one prefill chunk always fits when nothing else does."""
+    max_reply_tokens: int = _DEFAULTS.max_reply_tokens
+    system_prompt: str = _DEFAULTS.system_prompt
+    model: str = _DEFAULTS.model
+    """`smollm2` (the embedded GGUF), a `.gguf` file, or a local Hugging Face Llama/Qwen2 folder."""
+    dtype: str = _DEFAULTS.dtype
+    """`float32` or `bfloat16` (weights, activations and KV)."""
+    threads: int = _DEFAULTS.threads
+    """torch intra-op threads for the engine worker; 0 keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise ValueError(f"EngineConfig.max_sessions must be >= 1, got {self.max_sessions}")
+        if not 1 <= self.prefill_chunk <= self.window.window_tokens:
+            raise ValueError(
+                f"EngineConfig.prefill_chunk must be 1..window_tokens ({self.window.window_tokens}), "
+                f"got {self.prefill_chunk}"
+            )
+        if self.step_token_budget < 1:
+            raise ValueError(f"EngineConfig.step_token_budget must be >= 1, got {self.step_token_budget}")
+        if self.max_reply_tokens < 1:
+            raise ValueError(f"EngineConfig.max_reply_tokens must be >= 1, got {self.max_reply_tokens}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_config(cls, config: DialogConfig) -> EngineConfig:
+        return cls(
+            window=WindowConfig(config.sink_tokens, config.window_tokens),
+            max_sessions=config.max_sessions,
+            prefill_chunk=config.prefill_chunk,
+            step_token_budget=config.step_token_budget,
+            max_reply_tokens=config.max_reply_tokens,
+            system_prompt=config.system_prompt,
+            model=config.model,
+            dtype=config.dtype,
+            threads=config.threads,
+        )
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class UnknownSession(EngineError):
+    """No open session has this id."""
+
+
+class Priority(Enum):
+    """Prefill order within a step (decode of replying sessions always comes first)."""
+
+    NORMAL = 0
+    DRAFT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFormat:
+    """The chat template cut into the pieces a streaming conversation needs (derived, not hard-coded)."""
+
+    system: str  # whole system turn
+    user_open: str  # before the user's words
+    user_close: str  # after the user's words, through the assistant header
+    reply_close: str  # after the assistant's words
+    end_of_turn_id: int  # first token of user_close: the token that closes the user's turn
+
+    @classmethod
+    def from_tokenizer(cls, tok: ChatTokenizer, system_prompt: str) -> ChatFormat:
+        u, a = "\x00USER\x00", "\x00ASSISTANT\x00"
+        system = [{"role": "system", "content": system_prompt}]
+        head = tok.render_chat(system, add_generation_prompt=False)
+        turn = tok.render_chat([*system, {"role": "user", "content": u}], add_generation_prompt=True)
+        full = tok.render_chat(
+            [*system, {"role": "user", "content": u}, {"role": "assistant", "content": a}],
+            add_generation_prompt=False,
+        )
+        if not turn.startswith(head) or u not in turn or a not in full:
+            raise EngineError("the model's chat template does not render turns as a growing transcript")
+        user_open, user_close = turn[len(head) :].split(u)
+        reply_close = full.split(a)[1]
+        close_ids = tok.encode(user_close)
+        if not close_ids:
+            raise EngineError("the chat template has no end-of-user-turn marker")
+        return cls(head, user_open, user_close, reply_close, close_ids[0])
+
+
+@dataclass(eq=False)
+class _Session:
+    id: int
+    slot: int
+    window: WindowState
+    priority: Priority
+    pending: deque[int] = field(default_factory=deque)
+    user_open: bool = False
+    replying: bool = False
+    reply: list[int] = field(default_factory=list)
+    reply_start: int = 0  # token index of the first reply token
+    p_end_of_turn: float | None = None
+    served: int = 0  # step number when last given a prefill chunk (fairness)
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    session: _Session
+    tokens: list[int]
+    plan: Plan
+    wants_logits: bool
+
+
+class DialogEngine:
+    def __init__(self, model: Transformer, tokenizer: ChatTokenizer, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        mc = model.config
+        self.pool = KvPool(
+            layers=mc.n_layers,
+            kv_heads=mc.n_kv_heads,
+            head_dim=mc.head_dim,
+            window=self.config.window,
+            slots=self.config.max_sessions,
+            dtype=model.tok_embeddings.weight.dtype,
+        )
+        self.rope = RopeTable(mc.head_dim, mc.rope_theta, cached=max(8192, mc.context_length))
+        self.format = ChatFormat.from_tokenizer(tokenizer, self.config.system_prompt)
+        self._group = mc.n_heads // mc.n_kv_heads
+        self._sessions: dict[int, _Session] = {}
+        self._ids = itertools.count(1)
+        self._steps = 0
+        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "busy_s": 0.0}
+
+    @classmethod
+    def load(cls, config: EngineConfig | None = None) -> DialogEngine:
+        """Load the configured model (the embedded SmolLM2 by default) and build the engine."""
+        from duplexd.dialog.weights import load_weights
+
+        config = config or EngineConfig()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        t0 = time.perf_counter()
+        model_config, weights, tokenizer = load_weights(config.model)
+        model = Transformer.from_state_dict(model_config, weights, _DTYPES[config.dtype])
+        log.info("dialog model %s loaded in %.1fs", config.model, time.perf_counter() - t0)
+        return cls(model, tokenizer, config)
+
+    # --- sessions -------------------------------------------------------------------------------------
+
+    def open(self, system_prompt: str | None = None, *, priority: Priority = Priority.NORMAL) -> int:
+        """Start a conversation (its system turn is prefilled by the next steps). Raises `PoolFull`."""
+        slot = self.pool.allocate()
+        session = _Session(next(self._ids), slot, WindowState(self.config.window), priority)
+        system = (
+            self.format.system
+            if system_prompt is None
+            else ChatFormat.from_tokenizer(self.tokenizer, system_prompt).system
+        )
+        session.pending.extend(self.tokenizer.encode(system))
+        self._sessions[session.id] = session
+        return session.id
+
+    def close(self, sid: int) -> None:
+        session = self._get(sid)
+        del self._sessions[sid]
+        self.pool.release(session.slot)
+
+    def fork(self, sid: int, *, priority: Priority = Priority.DRAFT) -> int:
+        """A new session with a copy of `sid`'s state (KV rows, pending tokens, reply). Raises `PoolFull`."""
+        parent = self._get(sid)
+        slot = self.pool.allocate()
+        self.pool.copy(parent.slot, slot, parent.window.used)
+        child = _Session(
+            next(self._ids),
+            slot,
+            parent.window.copy(),
+            priority,
+            pending=deque(parent.pending),
+            user_open=parent.user_open,
+            replying=parent.replying,
+            reply=list(parent.reply),
+            reply_start=parent.reply_start,
+            p_end_of_turn=parent.p_end_of_turn,
+        )
+        self._sessions[child.id] = child
+        return child.id
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def free_slots(self) -> int:
+        return self.pool.free
+
+    def resident_tokens(self, sid: int) -> int:
+        return self._get(sid).window.resident
+
+    def tokens_seen(self, sid: int) -> int:
+        """Every token the session has ingested since it opened (unbounded; resident KV is not)."""
+        return self._get(sid).window.n
+
+    def replying(self, sid: int) -> bool:
+        return self._get(sid).replying
+
+    def reply_tokens(self, sid: int) -> list[int]:
+        return list(self._get(sid).reply)
+
+    def busy(self) -> bool:
+        return any(s.pending for s in self._sessions.values())
+
+    # --- the duplex API -------------------------------------------------------------------------------
+
+    def append_user_text(self, sid: int, text: str) -> None:
+        """Stream user words into the conversation; they are prefilled by later steps.
+
+        Pass words with their leading space (" world"), so pieces tokenize as the whole text would.
+        Empty text is a no-op. Text arriving while the assistant replies is queued after the reply.
+        """
+        session = self._get(sid)
+        if not text:
+            return
+        ids = self.tokenizer.encode(text)
+        if not session.user_open:
+            ids = self.tokenizer.encode(self.format.user_open) + ids
+            session.user_open = True
+        session.pending.extend(ids)
+        session.p_end_of_turn = None
+
+    def p_end_of_turn(self, sid: int) -> float | None:
+        """P(the next token closes the user's turn) after every appended word is in; None until then."""
+        session = self._get(sid)
+        return None if session.pending or not session.user_open else session.p_end_of_turn
+
+    def start_reply(self, sid: int) -> None:
+        """Close the user's turn and start the assistant's reply (no-op while already replying)."""
+        session = self._get(sid)
+        if session.replying:
+            return
+        if not session.user_open:
+            session.pending.extend(self.tokenizer.encode(self.format.user_open))
+        session.pending.extend(self.tokenizer.encode(self.format.user_close))
+        session.user_open = False
+        session.replying = True
+        session.reply = []
+        session.reply_start = session.window.n + len(session.pending)
+        session.p_end_of_turn = None
+
+    def interrupt(self, sid: int, heard_tokens: int) -> None:
+        """Stop the reply; keep only its first `heard_tokens` tokens in the conversation."""
+        session = self._get(sid)
+        if not session.replying:
+            return
+        heard = max(0, min(heard_tokens, len(session.reply)))
+        ingested = session.window.n - session.reply_start  # reply tokens already in the KV
+        if ingested > heard:
+            session.window.truncate(session.reply_start + heard)
+            session.pending.clear()
+        elif ingested >= 0:  # (< 0: the assistant header is still prefilling; the reply stays empty)
+            session.pending = deque(session.reply[ingested:heard])
+        del session.reply[heard:]
+        self._finish_reply(session)
+
+    # --- the step -------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> dict[int, list[int]]:
+        """One forward over every session with work. Returns the new reply tokens per session."""
+        work = self._schedule()
+        if not work:
+            return {}
+        t0 = time.perf_counter()
+        segments, tokens, start = [], [], 0
+        for w in work:
+            segments.append(Segment(start, len(w.tokens)))
+            tokens.extend(w.tokens)
+            start += len(w.tokens)
+        logits_rows = [seg.start + seg.length - 1 for seg, w in zip(segments, work, strict=True) if w.wants_logits]
+        logits = self.model.step(
+            torch.tensor(tokens), segments, self._attend_fn(work, segments), torch.tensor(logits_rows, dtype=torch.long)
+        )
+        out: dict[int, list[int]] = {}
+        row = 0
+        for w in work:
+            w.session.window.commit(w.plan)
+            for _ in w.tokens:
+                w.session.pending.popleft()
+            if w.wants_logits:
+                new = self._after_logits(w.session, logits[row])
+                row += 1
+                if new is not None:
+                    out[w.session.id] = [new]
+        self._steps += 1
+        self.stats["steps"] += 1
+        self.stats["busy_s"] += time.perf_counter() - t0
+        return out
+
+    def _schedule(self) -> list[_Work]:
+        budget = self.config.step_token_budget
+        work: list[_Work] = []
+        decode = [s for s in self._sessions.values() if s.replying and len(s.pending) == 1 and s.reply]
+        for s in decode:
+            work.append(self._work(s, 1))
+        budget -= len(decode)
+        chosen = {s.id for s in decode}
+        waiting = sorted(
+            (s for s in self._sessions.values() if s.pending and s.id not in chosen),
+            key=lambda s: (not s.replying, s.priority.value, s.served, s.id),
+        )
+        for s in waiting:
+            n = min(len(s.pending), self.config.prefill_chunk)
+            if n > budget and work:
+                continue
+            work.append(self._work(s, n))
+            s.served = self._steps
+            budget -= n
+            self.stats["prefill_tokens"] += n
+        self.stats["decode_tokens"] += len(decode)
+        return work
+
+    def _work(self, session: _Session, n: int) -> _Work:
+        tokens = list(itertools.islice(session.pending, n))
+        last = n == len(session.pending)
+        return _Work(session, tokens, session.window.plan(n, self.rope, self._group), wants_logits=last)
+
+    def _after_logits(self, session: _Session, logits: Tensor) -> int | None:
+        if not session.replying:
+            if session.user_open:
+                session.p_end_of_turn = float(torch.softmax(logits.float(), -1)[self.format.end_of_turn_id])
+            return None
+        token = int(logits.argmax())
+        if token in (self.format.end_of_turn_id, self.tokenizer.eos_id):
+            self._finish_reply(session)
+            return None
+        session.reply.append(token)
+        if len(session.reply) >= self.config.max_reply_tokens:
+            session.pending.append(token)
+            self._finish_reply(session)
+        else:
+            session.pending.append(token)
+        return token
+
+    def _finish_reply(self, session: _Session) -> None:
+        session.replying = False
+        session.pending.extend(self.tokenizer.encode(self.format.reply_close))
+
+    def _attend_fn(self, work: Sequence[_Work], segments: Sequence[Segment]):
+        pool, scale = self.pool, 1.0 / math.sqrt(self.model.config.head_dim)
+        sinks = self.config.window.sink_tokens
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = torch.empty_like(q)
+            for w, seg in zip(work, segments, strict=True):
+                rows = slice(seg.start, seg.start + seg.length)
+                out[rows] = _attend_one(
+                    pool.k[layer, w.session.slot],
+                    pool.v[layer, w.session.slot],
+                    q[rows],
+                    k[rows],
+                    v[rows],
+                    w.plan,
+                    scale,
+                    sinks,
+                )
+            return out
+
+        return attend
+
+    def _get(self, sid: int) -> _Session:
+        try:
+            return self._sessions[sid]
+        except KeyError:
+            raise UnknownSession(f"no dialog session {sid}") from None
+
+
+def _attend_one(
+    k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, plan: Plan, scale: float, sinks: int
+) -> Tensor:
+    """One session's attention for its `n` new tokens, then their keys/values go into the cache.
+
+    `k_cache`, `v_cache`: `[Hkv, S+W, D]` views of the pool; `q[n, H, D]`, `k`/`v[n, Hkv, D]` pre-RoPE.
+    """
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+
+    def by_kv_head(x: Tensor) -> Tensor:  # [n, H, D] -> [Hkv, group * n, D]
+        return x.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
+
+    q_abs = by_kv_head(apply_rope(q, plan.rot_abs))
+    k = apply_rope(k, plan.rot_abs).transpose(0, 1)  # [Hkv, n, D]
+    v = v.transpose(0, 1)
+    used = plan.used
+    old_k = k_cache[:, :used]
+    scores_old = q_abs @ old_k.transpose(1, 2)
+    if plan.rot_sink is not None and used:
+        s = min(sinks, used)
+        q_sink = by_kv_head(apply_rope(q, plan.rot_sink))
+        scores_old[:, :, :s] = q_sink @ old_k[:, :s].transpose(1, 2)
+    scores = torch.cat([scores_old, q_abs @ k.transpose(1, 2)], dim=-1).float() * scale
+    # exp() of scores more than ~87 below the row's max underflows to subnormals, which x86 handles
+    # ~100x slower (measured: a 1 s decode step instead of 40 ms; attention sinks make such gaps common).
+    # Raising them to max - 80 changes each weight by < 2e-35: nothing, in float32.
+    scores = torch.maximum(scores, scores.amax(-1, keepdim=True) - 80.0) + plan.mask
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = probs[:, :, :used] @ v_cache[:, :used] + probs[:, :, used:] @ v
+    k_cache[:, plan.rows] = k
+    v_cache[:, plan.rows] = v
+    return out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+
+
+@torch.inference_mode()
+def sequence_nll(model: Transformer, tokens: Sequence[int], window: WindowConfig | None, chunk: int = 256) -> float:
+    """Mean negative log-likelihood of `tokens[1:]` given the prefix, read through a bounded KV window
+    (`None`: full attention, i.e. a window as long as the text). The perplexity probe of `bench llm`."""
+    if len(tokens) < 2:
+        raise ValueError("need at least two tokens")
+    window = window or WindowConfig(sink_tokens=0, window_tokens=len(tokens))
+    chunk = min(chunk, window.window_tokens)
+    mc = model.config
+    pool = KvPool(
+        layers=mc.n_layers,
+        kv_heads=mc.n_kv_heads,
+        head_dim=mc.head_dim,
+        window=window,
+        slots=1,
+        dtype=model.tok_embeddings.weight.dtype,
+    )
+    state = WindowState(window)
+    rope = RopeTable(mc.head_dim, mc.rope_theta, cached=len(tokens))
+    scale = 1.0 / math.sqrt(mc.head_dim)
+    ids = torch.tensor(list(tokens))
+    total, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, chunk):
+        piece = ids[start : start + chunk]
+        plan = state.plan(len(piece), rope, mc.n_heads // mc.n_kv_heads)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, plan: Plan = plan) -> Tensor:
+            return _attend_one(pool.k[layer, 0], pool.v[layer, 0], q, k, v, plan, scale, window.sink_tokens)
+
+        logits = model.step(piece, [Segment(0, len(piece))], attend, None)
+        state.commit(plan)
+        targets = ids[start + 1 : start + 1 + len(piece)]
+        logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        total -= float(logp.gather(1, targets[:, None]).sum())
+        count += len(targets)
+    return total / count

