@@ -36,7 +36,7 @@ from torch import Tensor
 from duplexd.config import DialogConfig
 from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
-from duplexd.dialog.model import Segment, Transformer, apply_rope
+from duplexd.dialog.model import AttendFn, Segment, Transformer, apply_rope
 from duplexd.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -407,24 +407,26 @@ class DialogEngine:
         session.replying = False
         session.pending.extend(self.tokenizer.encode(self.format.reply_close))
 
-    def _attend_fn(self, work: Sequence[_Work], segments: Sequence[Segment]):
+    def _attend_fn(self, work: Sequence[_Work], segments: Sequence[Segment]) -> AttendFn:
+        """Attention for one step: all one-token rows in one batched call, each longer chunk on its own."""
         pool, scale = self.pool, 1.0 / math.sqrt(self.model.config.head_dim)
         sinks = self.config.window.sink_tokens
+        singles = [(w, seg) for w, seg in zip(work, segments, strict=True) if seg.length == 1]
+        chunks = [(w, seg) for w, seg in zip(work, segments, strict=True) if seg.length > 1]
+        batch = _DecodeBatch.build(pool, [w.session.slot for w, _ in singles], [w.plan for w, _ in singles])
+        rows = torch.tensor([seg.start for _, seg in singles], dtype=torch.long)
+        all_single = len(singles) == len(work)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if all_single:
+                return batch.attend(pool, layer, q, k, v, scale, sinks)
             out = torch.empty_like(q)
-            for w, seg in zip(work, segments, strict=True):
-                rows = slice(seg.start, seg.start + seg.length)
-                out[rows] = _attend_one(
-                    pool.k[layer, w.session.slot],
-                    pool.v[layer, w.session.slot],
-                    q[rows],
-                    k[rows],
-                    v[rows],
-                    w.plan,
-                    scale,
-                    sinks,
-                )
+            if singles:
+                out[rows] = batch.attend(pool, layer, q[rows], k[rows], v[rows], scale, sinks)
+            for w, seg in chunks:
+                span = slice(seg.start, seg.start + seg.length)
+                k_cache, v_cache = pool.k[layer, w.session.slot], pool.v[layer, w.session.slot]
+                out[span] = _attend_one(k_cache, v_cache, q[span], k[span], v[span], w.plan, scale, sinks)
             return out
 
         return attend
@@ -434,6 +436,65 @@ class DialogEngine:
             return self._sessions[sid]
         except KeyError:
             raise UnknownSession(f"no dialog session {sid}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeBatch:
+    """One-token rows of several sessions, attended in one batched call over each slot's full `S + W` rows.
+
+    Every such row is computed the same way whatever else is in the batch: the sink columns always with
+    the sink rotation, the window over all rows (unused ones masked), and per-(session, KV head) matmuls.
+    """
+
+    slots: Tensor
+    span: slice | None  # the slots as a slice when they are consecutive (a view instead of a gather)
+    rows: Tensor  # cache row each new key goes to
+    mask: Tensor  # [B, 1, 1, S + W + 1]
+    rot_abs: Tensor  # [B, D/2]
+    rot_sink: Tensor  # [B, D/2]
+
+    @classmethod
+    def build(cls, pool: KvPool, slots: list[int], plans: list[Plan]) -> _DecodeBatch:
+        capacity = pool.window.capacity
+        mask = torch.full((len(plans), capacity + 1), float("-inf"))
+        for i, plan in enumerate(plans):
+            mask[i, : plan.used] = plan.mask[0, : plan.used]
+            mask[i, capacity] = plan.mask[0, plan.used]
+        consecutive = bool(slots) and slots == list(range(slots[0], slots[0] + len(slots)))
+        return cls(
+            slots=torch.tensor(slots, dtype=torch.long),
+            span=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
+            rows=torch.cat([p.rows for p in plans]) if plans else torch.empty(0, dtype=torch.long),
+            mask=mask[:, None, None, :],
+            rot_abs=torch.cat([p.rot_abs for p in plans]) if plans else torch.empty(0),
+            rot_sink=torch.cat([p.rot_abs if p.rot_sink is None else p.rot_sink for p in plans])
+            if plans
+            else torch.empty(0),
+        )
+
+    def attend(self, pool: KvPool, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: int) -> Tensor:
+        """`q[B, H, D]`, `k`/`v[B, Hkv, D]` (pre-RoPE) -> `[B, H, D]`; the new keys/values go into the pool."""
+        b, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        if self.span is not None:
+            k_cache, v_cache = pool.k[layer, self.span], pool.v[layer, self.span]
+        else:
+            k_cache, v_cache = pool.k[layer].index_select(0, self.slots), pool.v[layer].index_select(0, self.slots)
+        q_abs = apply_rope(q, self.rot_abs).view(b, kv_heads, heads // kv_heads, dim)
+        k = apply_rope(k, self.rot_abs).unsqueeze(2)  # [B, Hkv, 1, D]
+        v = v.unsqueeze(2)
+        scores = [q_abs @ k_cache.transpose(-1, -2), q_abs @ k.transpose(-1, -2)]
+        if sinks:
+            q_sink = apply_rope(q, self.rot_sink).view(b, kv_heads, heads // kv_heads, dim)
+            scores[0][..., :sinks] = q_sink @ k_cache[:, :, :sinks].transpose(-1, -2)
+        logits = torch.cat(scores, dim=-1).float() * scale
+        logits = torch.maximum(logits, logits.amax(-1, keepdim=True) - 80.0) + self.mask  # see _attend_one
+        probs = torch.softmax(logits, dim=-1).to(v.dtype)
+        capacity = k_cache.shape[2]
+        out = probs[..., :capacity] @ v_cache + probs[..., capacity:] * v
+        pool.k[layer, self.slots, :, self.rows] = k[:, :, 0]
+        pool.v[layer, self.slots, :, self.rows] = v[:, :, 0]
+        return out.reshape(b, heads, dim)
 
 
 def _attend_one(

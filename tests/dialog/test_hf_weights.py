@@ -333,3 +333,40 @@ def test_uncached_hub_id_says_only_local_folders_work(monkeypatch: pytest.Monkey
     monkeypatch.chdir(tmp_path)  # so the id cannot name a relative folder
     with pytest.raises(EngineError, match="only local model folders can be loaded offline"):
         hf_weights.load_hf_model("duplexd-tests/not-a-real-model")
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2-tied"])
+def test_engine_runs_hf_folders_like_transformers(case: str, tmp_path: Path) -> None:
+    """The engine's own model (fused q/k/v with Qwen2's biases) and its cached decode on an HF folder."""
+    from duplexd.dialog.engine import DialogEngine, EngineConfig
+    from duplexd.dialog.model import Transformer
+    from duplexd.dialog.weights import load_weights
+
+    ref = save_tiny_model(tmp_path, **CASES[case])
+    loaded = load_weights(tmp_path)
+    model = Transformer.from_state_dict(loaded.config, loaded.weights)
+    tok = loaded.tokenizer
+    tokens = tok.encode(tok.render_chat(MESSAGES))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(torch.tensor([tokens]))[0], ref(torch.tensor([tokens])).logits[0], atol=LOGIT_ATOL, rtol=0
+        )
+
+    engine = DialogEngine(model, tok, EngineConfig(max_sessions=1, max_reply_tokens=8))
+    chat = [{"role": "system", "content": "Be brief."}, MESSAGES[0]]
+    sid = engine.open(chat[0]["content"])
+    engine.append_user_text(sid, chat[1]["content"])
+    engine.start_reply(sid)
+    got: list[int] = []
+    while engine.busy():
+        got.extend(engine.step().get(sid, []))
+    prompt = tok.encode(tok.render_chat(chat))
+    with torch.no_grad():
+        expected = ref.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=len(got),
+            do_sample=False,
+            pad_token_id=tok.eos_id,
+        )[0, len(prompt) :].tolist()
+    assert got and got == expected
