@@ -6,6 +6,7 @@ measures what it says and that the result carries every key.
 
 from __future__ import annotations
 
+import gc
 import json
 import string
 import time
@@ -119,12 +120,14 @@ def test_cpu_busy_s_counts_this_process() -> None:
 
 
 def test_rss_mb_sees_an_allocation() -> None:
+    gc.collect()  # in a full run, garbage from earlier tests can be freed mid-measurement and shrink RSS
     before = llm.rss_mb()
     block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, written so the pages are resident
     after = llm.rss_mb()
-    assert before > 0
-    assert after - before > 48
     del block
+    freed = llm.rss_mb()
+    assert before > 0
+    assert after - before > 48 or after - freed > 48
 
 
 def _measurements(engine: bool) -> dict:
