@@ -191,7 +191,6 @@ class DialogEngine:
         self._group = mc.n_heads // mc.n_kv_heads
         self._sessions: dict[int, _Session] = {}
         self._ids = itertools.count(1)
-        self._steps = 0
         self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "busy_s": 0.0}
 
     @classmethod
@@ -353,7 +352,6 @@ class DialogEngine:
                 row += 1
                 if new is not None:
                     out[w.session.id] = [new]
-        self._steps += 1
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
         return out
@@ -375,7 +373,7 @@ class DialogEngine:
             if n > budget and work:
                 continue
             work.append(self._work(s, n))
-            s.served = self._steps
+            s.served = self.stats["steps"]
             budget -= n
             self.stats["prefill_tokens"] += n
         self.stats["decode_tokens"] += len(decode)
@@ -487,14 +485,24 @@ class _DecodeBatch:
         if sinks:
             q_sink = apply_rope(q, self.rot_sink).view(b, kv_heads, heads // kv_heads, dim)
             scores[0][..., :sinks] = q_sink @ k_cache[:, :, :sinks].transpose(-1, -2)
-        logits = torch.cat(scores, dim=-1).float() * scale
-        logits = torch.maximum(logits, logits.amax(-1, keepdim=True) - 80.0) + self.mask  # see _attend_one
-        probs = torch.softmax(logits, dim=-1).to(v.dtype)
+        probs = _attention_weights(torch.cat(scores, dim=-1), scale, self.mask, v.dtype)
         capacity = k_cache.shape[2]
         out = probs[..., :capacity] @ v_cache + probs[..., capacity:] * v
         pool.k[layer, self.slots, :, self.rows] = k[:, :, 0]
         pool.v[layer, self.slots, :, self.rows] = v[:, :, 0]
         return out.reshape(b, heads, dim)
+
+
+def _attention_weights(scores: Tensor, scale: float, mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Softmax of `scores * scale + mask` in float32, cast to `dtype`.
+
+    exp() of scores more than ~87 below the row's max underflows to subnormals, which x86 handles ~100x
+    slower (measured: a 1 s decode step instead of 40 ms; attention sinks make such gaps common). Raising
+    them to max - 80 before masking changes each weight by < 2e-35: nothing, in float32.
+    """
+    scores = scores.float() * scale
+    scores = torch.maximum(scores, scores.amax(-1, keepdim=True) - 80.0) + mask
+    return torch.softmax(scores, dim=-1).to(dtype)
 
 
 def _attend_one(
@@ -521,12 +529,7 @@ def _attend_one(
         s = min(sinks, used)
         q_sink = by_kv_head(apply_rope(q, plan.rot_sink))
         scores_old[:, :, :s] = q_sink @ old_k[:, :s].transpose(1, 2)
-    scores = torch.cat([scores_old, q_abs @ k.transpose(1, 2)], dim=-1).float() * scale
-    # exp() of scores more than ~87 below the row's max underflows to subnormals, which x86 handles
-    # ~100x slower (measured: a 1 s decode step instead of 40 ms; attention sinks make such gaps common).
-    # Raising them to max - 80 changes each weight by < 2e-35: nothing, in float32.
-    scores = torch.maximum(scores, scores.amax(-1, keepdim=True) - 80.0) + plan.mask
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = _attention_weights(torch.cat([scores_old, q_abs @ k.transpose(1, 2)], dim=-1), scale, plan.mask, v.dtype)
     out = probs[:, :, :used] @ v_cache[:, :used] + probs[:, :, used:] @ v
     k_cache[:, plan.rows] = k
     v_cache[:, plan.rows] = v
