@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -19,27 +20,37 @@ log = logging.getLogger("duplexd")
 
 
 def load_engines(config: ServerConfig):
+    """Every model the server runs: VAD and ASR always; the dialog LLM and TTS unless dialog is off."""
     from duplexd.asr.engine import FasterWhisperEngine
     from duplexd.asr.vad import SileroVad
+    from duplexd.transport.server import Engines
 
     t0 = time.perf_counter()
     vad = SileroVad(config.vad.model_path or None)
     asr = FasterWhisperEngine(config.asr)
+    dialog = tts = None
+    if config.dialog.enabled:
+        from duplexd.dialog.engine import DialogEngine, EngineConfig
+        from duplexd.tts.engine import load_tts
+
+        dialog = DialogEngine.load(EngineConfig.from_config(config.dialog))
+        tts = load_tts(config.tts)
     log.info(
-        "models loaded in %.1fs: VAD silero-vad (onnx), ASR %s (%s, beam %d)",
+        "models loaded in %.1fs: VAD silero-vad (onnx), ASR %s (%s, beam %d), LLM %s, TTS %s",
         time.perf_counter() - t0,
         asr.name,
         config.asr.compute_type,
         config.asr.beam_size,
+        config.dialog.model if dialog else "off",
+        tts.name if tts else "off",
     )
-    return vad, asr
+    return Engines(vad, asr, dialog, tts)
 
 
 async def serve(config: ServerConfig) -> None:
     from duplexd.transport.server import STREAM_PATH, Server
 
-    vad, asr = load_engines(config)
-    server = Server(config, vad, asr)
+    server = Server(config, load_engines(config))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -65,7 +76,8 @@ async def serve(config: ServerConfig) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config, overrides={"transport": {"host": args.host, "port": args.port}})
+        overrides = {"transport": {"host": args.host, "port": args.port}, "dialog": {"enabled": args.dialog}}
+        config = load_config(args.config, overrides=overrides)
     except (OSError, ValueError) as exc:
         log.error("bad configuration: %s", exc)
         return 2
@@ -115,6 +127,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from duplexd.bench import llm as bench_llm
 
         return bench_llm.main(args)
+    if args.what == "voice":
+        from duplexd.bench import voice as bench_voice
+
+        return bench_voice.main(args)
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -182,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--config", type=Path, default=None, help="TOML config file")
+    p.add_argument(
+        "--no-dialog",
+        dest="dialog",
+        action="store_const",
+        const=False,
+        default=None,
+        help="transcription only: load no LLM or TTS",
+    )
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("stream", help="stream an audio file to a server and print transcripts")
@@ -192,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stream)
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
-    p.add_argument("what", choices=["asr", "llm"])
+    p.add_argument("what", choices=["asr", "llm", "voice"])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
@@ -222,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Engines share two cores across threads (ASR, LLM, TTS, VAD): OpenMP threads that spin while idle
+    # (libgomp's default) slow the others 10x and more. Must be set before torch is imported.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -111,8 +111,12 @@ class TransportConfig:
     outbound_queue: int = 256
     max_errors: int = 20
     max_sessions: int = 64
+    audio_frame_ms: int = 40  # reply audio out: PCM16 24 kHz frames of this length
+    audio_lead_ms: int = 1000  # reply audio is sent at most this far ahead of the client's playback
 
     def __post_init__(self) -> None:
+        _require(10 <= self.audio_frame_ms <= 200, "transport.audio_frame_ms", self.audio_frame_ms, "in [10, 200]")
+        _require(self.audio_lead_ms >= 100, "transport.audio_lead_ms", self.audio_lead_ms, ">= 100")
         _require(0 <= self.port <= 65535, "transport.port", self.port, "a TCP port")
         _require(self.max_message_bytes >= 1024, "transport.max_message_bytes", self.max_message_bytes, ">= 1024")
         _require(
@@ -132,6 +136,8 @@ class TransportConfig:
 class DialogConfig:
     """The dialog LLM engine (`[dialog]`): model, bounded KV window, pool size, step budget."""
 
+    enabled: bool = True
+    """False: transcription only (no LLM or TTS is loaded; `duplexd serve --no-dialog`)."""
     model: str = "smollm2"
     """`smollm2` (the embedded SmolLM2-135M-Instruct GGUF), a `.gguf` file, or a local HF Llama/Qwen2 folder."""
     dtype: str = "float32"
@@ -165,11 +171,68 @@ class DialogConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnConfig:
+    """Turn taking (`[turn]`): when the user's turn is over, and what counts as talking over the reply."""
+
+    min_silence_ms: int = 250
+    """Silence that ends a turn the LLM finds complete (P(end of turn) >= p_complete)."""
+    max_silence_ms: int = 1200
+    """Silence that ends a turn the LLM finds incomplete (P(end of turn) <= p_incomplete), or unknown."""
+    # Measured with SmolLM2-135M on punctuated Whisper text: finished sentences score 0.002-0.65, sentences
+    # cut mid-phrase below 1e-4. Between the two bounds the silence needed falls log-linearly.
+    p_complete: float = 0.02
+    p_incomplete: float = 0.001
+    barge_in_words: int = 1
+    """Committed words (not backchannels, not the reply's own echo) that interrupt the reply ..."""
+    barge_in_partial_words: int = 3
+    """... or as many words of the recognizer's latest (not yet committed) hypothesis."""
+    backchannels: str = "yeah,yes,yep,yup,okay,ok,right,sure,mm-hmm,mhm,mm,hmm,uh-huh,uh,um,oh,ah,alright,cool,wow"
+    """Words that never interrupt (comma-separated, matched case- and punctuation-insensitively)."""
+
+    def __post_init__(self) -> None:
+        _require(self.min_silence_ms >= 0, "turn.min_silence_ms", self.min_silence_ms, ">= 0")
+        _require(
+            self.max_silence_ms >= self.min_silence_ms, "turn.max_silence_ms", self.max_silence_ms, ">= min_silence_ms"
+        )
+        _require(
+            0.0 < self.p_incomplete < self.p_complete < 1.0, "turn.p_complete", self.p_complete, "in (p_incomplete, 1)"
+        )
+        _require(self.barge_in_words >= 1, "turn.barge_in_words", self.barge_in_words, ">= 1")
+        _require(self.barge_in_partial_words >= 1, "turn.barge_in_partial_words", self.barge_in_partial_words, ">= 1")
+
+    @property
+    def backchannel_words(self) -> frozenset[str]:
+        return frozenset(w.strip().lower() for w in self.backchannels.split(",") if w.strip())
+
+
+@dataclass(frozen=True, slots=True)
+class TtsConfig:
+    """Speech synthesis (`[tts]`): the engine and how reply text is cut for it."""
+
+    engine: str = "hibari"
+    """`hibari` (default, in the package) or `piper` (`pip install 'duplexd[piper]'`)."""
+    speed: float = 1.0
+    threads: int = 1
+    first_words: int = 3
+    """The first piece of a reply goes to TTS after this many words (or an earlier clause end)."""
+    max_words: int = 24
+
+    def __post_init__(self) -> None:
+        _require(self.engine in ("hibari", "piper"), "tts.engine", self.engine, "hibari or piper")
+        _require(0.5 <= self.speed <= 2.0, "tts.speed", self.speed, "in [0.5, 2]")
+        _require(self.threads >= 1, "tts.threads", self.threads, ">= 1")
+        _require(self.first_words >= 1, "tts.first_words", self.first_words, ">= 1")
+        _require(self.max_words >= self.first_words, "tts.max_words", self.max_words, ">= first_words")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     vad: VadConfig = field(default_factory=VadConfig)
     asr: AsrConfig = field(default_factory=AsrConfig)
     dialog: DialogConfig = field(default_factory=DialogConfig)
+    turn: TurnConfig = field(default_factory=TurnConfig)
+    tts: TtsConfig = field(default_factory=TtsConfig)
 
 
 def _coerce(value: str, kind: Any, name: str) -> Any:

@@ -24,6 +24,8 @@ class ErrorCode(StrEnum):
     OVERLOADED = "overloaded"
     ASR_BEHIND = "asr_behind"
     INTERNAL = "internal"
+    BAD_PLAYBACK = "bad_playback"
+    NO_REPLY = "no_reply"
 
 
 class DuplexdError(Exception):

@@ -24,7 +24,7 @@ def clip_by_name(clips: list[Clip]) -> dict[str, Clip]:
 
 
 @pytest.fixture(scope="session")
-def engines() -> tuple[object, object]:
+def engines() -> object:
     """The real embedded models, loaded once for the whole test run."""
     from duplexd.cli import load_engines
 
@@ -40,7 +40,7 @@ class RunningServer:
 
 
 @pytest.fixture
-async def make_server(engines: tuple[object, object]) -> AsyncIterator[object]:
+async def make_server(engines: object) -> AsyncIterator[object]:
     """Start real servers on port 0 (in this event loop, models on their worker threads)."""
     from duplexd.transport.server import Server
 
@@ -51,7 +51,7 @@ async def make_server(engines: tuple[object, object]) -> AsyncIterator[object]:
 
         config = config or ServerConfig()
         config = dataclasses.replace(config, transport=dataclasses.replace(config.transport, port=0))
-        server = Server(config, *engines)
+        server = Server(config, engines)
         stop = asyncio.Event()
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(server.run(stop, ready=ready))

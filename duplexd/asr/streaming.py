@@ -216,7 +216,10 @@ class StreamingTranscriber:
         words = [Word(w.text, w.start_s + offset_s, w.end_s + offset_s) for w in result.words]
         self._decoded_until = max(self._decoded_until, request.end_sample)
         newly = self._agreement.insert(words)
-        if request.final:
+        # A pass already covering everything up to the end of speech is as good as the final pass (the rest
+        # of the audio is silence): end the utterance now instead of running one more ~1 s pass.
+        covered = self._final_end is not None and self._next is None and request.end_sample >= self._final_end
+        if request.final or covered:
             return self._finalize([*newly, *self._agreement.commit_all()])
         self._committed.extend(newly)
         self._trim(request, result)

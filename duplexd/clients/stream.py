@@ -89,10 +89,11 @@ async def stream_pcm(
     speed: float = 1.0,
     on_event: Callable[[Received], None] | None = None,
 ) -> StreamResult:
-    """Stream int16 mono `pcm` in 20 ms frames at `speed` x real time; return every event received."""
+    """Stream int16 mono `pcm` in 20 ms frames at `speed` x real time (transcription only: no dialog);
+    return every event received."""
     client = await StreamClient.connect(url)
     try:
-        started = await client.start(sample_rate)
+        started = await client.start(sample_rate, dialog=False)
         t0 = time.monotonic()
         result = StreamResult(started["session_id"], t0, speed, [Received(t0, started)])
         if on_event is not None:

@@ -162,6 +162,7 @@ class _Session:
     reply_start: int = 0  # token index of the first reply token
     p_end_of_turn: float | None = None
     served: int = 0  # step number when last given a prefill chunk (fairness)
+    log: deque[tuple[int, int]] = field(default_factory=deque)  # (position, token) ingested, bounded below
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +244,7 @@ class DialogEngine:
             reply=list(parent.reply),
             reply_start=parent.reply_start,
             p_end_of_turn=parent.p_end_of_turn,
+            log=deque(parent.log),
         )
         self._sessions[child.id] = child
         return child.id
@@ -261,6 +263,12 @@ class DialogEngine:
     def tokens_seen(self, sid: int) -> int:
         """Every token the session has ingested since it opened (unbounded; resident KV is not)."""
         return self._get(sid).window.n
+
+    def context_tokens(self, sid: int) -> list[int]:
+        """The tokens the session's next step attends to (its resident KV), in order."""
+        session = self._get(sid)
+        resident = set(session.window.row_t[session.window.row_t >= 0].tolist())
+        return [token for pos, token in session.log if pos in resident]
 
     def replying(self, sid: int) -> bool:
         return self._get(sid).replying
@@ -318,6 +326,8 @@ class DialogEngine:
         if ingested > heard:
             session.window.truncate(session.reply_start + heard)
             session.pending.clear()
+            while session.log and session.log[-1][0] >= session.reply_start + heard:
+                session.log.pop()
         elif ingested >= 0:  # (< 0: the assistant header is still prefilling; the reply stays empty)
             session.pending = deque(session.reply[ingested:heard])
         del session.reply[heard:]
@@ -344,9 +354,13 @@ class DialogEngine:
         out: dict[int, list[int]] = {}
         row = 0
         for w in work:
+            first = w.session.window.n
             w.session.window.commit(w.plan)
-            for _ in w.tokens:
+            for i, token in enumerate(w.tokens):
                 w.session.pending.popleft()
+                w.session.log.append((first + i, token))
+            while len(w.session.log) > self.config.window.capacity:  # keep the sinks, drop the oldest after
+                del w.session.log[self.config.window.sink_tokens]
             if w.wants_logits:
                 new = self._after_logits(w.session, logits[row])
                 row += 1

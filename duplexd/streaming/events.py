@@ -55,6 +55,45 @@ class UtteranceFinalized:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnEnded:
+    """The endpointer closed the user's turn `turn`: `text` is all of it, `eos_s` where the speech ended."""
+
+    turn: int
+    text: str
+    eos_s: float
+    silence_ms: float
+    p_end: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyStarted:
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyDelta:
+    reply: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyDone:
+    reply: int
+    text: str
+    audio_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyInterrupted:
+    """The reply stopped; only `heard_text` (the first `heard_ms` of its audio) stays in the conversation."""
+
+    reply: int
+    heard_ms: float
+    heard_text: str
+    reason: str  # "barge_in" | "cancel"
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorRaised:
     """A non-fatal problem the client should hear about (the session goes on)."""
 
@@ -62,4 +101,16 @@ class ErrorRaised:
     message: str
 
 
-Event = FrameAcked | SpeechStarted | SpeechStopped | TranscriptUpdated | UtteranceFinalized | ErrorRaised
+Event = (
+    FrameAcked
+    | SpeechStarted
+    | SpeechStopped
+    | TranscriptUpdated
+    | UtteranceFinalized
+    | TurnEnded
+    | ReplyStarted
+    | ReplyDelta
+    | ReplyDone
+    | ReplyInterrupted
+    | ErrorRaised
+)

@@ -44,11 +44,29 @@ class Session:
         self._since_ack_ms = 0.0
         self._worst_lag_ms = 0.0
         self.frames = 0
+        self._last_voice_s: float | None = None  # end of the last VAD chunk that sounded like speech
         self.lags_ms: deque[float] = deque(maxlen=4096)  # recent per-frame lags, for metrics
 
     @property
     def stream_s(self) -> float:
         return self.transcriber.samples / VAD_SAMPLE_RATE
+
+    @property
+    def heard_s(self) -> float:
+        """Stream time up to which VAD has evaluated the audio."""
+        return self._vad_done / VAD_SAMPLE_RATE
+
+    @property
+    def silence_ms(self) -> float:
+        """Silence since the last voiced VAD chunk (infinite before any speech)."""
+        if self._last_voice_s is None:
+            return float("inf")
+        return 1000.0 * (self._vad_done / VAD_SAMPLE_RATE - self._last_voice_s)
+
+    @property
+    def asr_settled(self) -> bool:
+        """No recognizer pass due or running: the transcript reflects all speech heard so far."""
+        return not (self.transcriber.wants_pass() or self.transcriber.pass_in_flight)
 
     def accept_frame(self, seq: int, pcm: bytes, now: float) -> np.ndarray:
         """Take one audio frame; returns the complete VAD chunks it makes ready, shape (k, 512)."""
@@ -79,6 +97,8 @@ class Session:
             events.extend(self.transcriber.append(chunk))
             t0 = self._vad_done / VAD_SAMPLE_RATE
             self._vad_done += VAD_CHUNK_SAMPLES
+            if prob >= self._config.vad.threshold:
+                self._last_voice_s = self._vad_done / VAD_SAMPLE_RATE
             change = self._hysteresis.push(float(prob), t0)
             if isinstance(change, SpeechStarted):
                 self.transcriber.speech_started(change.t_s)

@@ -6,6 +6,7 @@ Pure: bytes/str in, typed messages out, or a `ProtocolError` naming what is wron
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
@@ -21,6 +22,8 @@ SUPPORTED_VERSIONS = frozenset({1})
 class ClientType(StrEnum):
     SESSION_START = "session.start"
     SESSION_END = "session.end"
+    PLAYBACK = "playback"
+    REPLY_CANCEL = "reply.cancel"
 
 
 class ServerType(StrEnum):
@@ -31,6 +34,11 @@ class ServerType(StrEnum):
     SPEECH_STOPPED = "vad.speech_stopped"
     TRANSCRIPT_PARTIAL = "transcript.partial"
     TRANSCRIPT_FINAL = "transcript.final"
+    TURN_ENDED = "turn.ended"
+    REPLY_STARTED = "reply.started"
+    REPLY_DELTA = "reply.delta"
+    REPLY_DONE = "reply.done"
+    REPLY_INTERRUPTED = "reply.interrupted"
     ERROR = "error"
 
 
@@ -38,6 +46,7 @@ class BinaryKind(IntEnum):
     """First byte of every binary message."""
 
     AUDIO_IN = 1  # client -> server: PCM16 LE mono at the session's sample rate
+    AUDIO_OUT = 2  # server -> client: reply audio, PCM16 LE mono at OUTPUT_SAMPLE_RATE
 
 
 # kind (u8), 3 reserved zero bytes, sequence number (u32 LE); 8 bytes keep the PCM16 payload aligned.
@@ -48,10 +57,21 @@ BINARY_HEADER = struct.Struct("<B3xI")
 class SessionStart:
     version: int
     sample_rate: int
+    dialog: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class SessionEnd:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Playback:
+    played_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyCancel:
     pass
 
 
@@ -61,7 +81,8 @@ class AudioFrame:
     pcm: bytes  # PCM16 LE mono, an even number of bytes, at least one sample
 
 
-ClientMessage = SessionStart | SessionEnd | AudioFrame
+TextMessage = SessionStart | SessionEnd | Playback | ReplyCancel
+ClientMessage = TextMessage | AudioFrame
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +93,7 @@ class Limits:
     max_message_bytes: int
 
 
-def parse_text(data: str, limits: Limits) -> SessionStart | SessionEnd:
+def parse_text(data: str, limits: Limits) -> TextMessage:
     try:
         msg = json.loads(data)
     except (json.JSONDecodeError, RecursionError):
@@ -86,6 +107,13 @@ def parse_text(data: str, limits: Limits) -> SessionStart | SessionEnd:
         return _parse_start(msg, limits)
     if kind == ClientType.SESSION_END:
         return SessionEnd()
+    if kind == ClientType.PLAYBACK:
+        played = msg.get("played_ms")
+        if not isinstance(played, int | float) or isinstance(played, bool) or not math.isfinite(played):
+            raise ProtocolError(ErrorCode.BAD_PLAYBACK, "playback.played_ms must be a finite number (ms)")
+        return Playback(float(played))
+    if kind == ClientType.REPLY_CANCEL:
+        return ReplyCancel()
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind[:64]!r}")
 
 
@@ -106,7 +134,10 @@ def _parse_start(msg: dict[str, Any], limits: Limits) -> SessionStart:
             f"sample_rate {rate} Hz is outside [{limits.min_sample_rate}, {limits.max_sample_rate}]",
             fatal=True,
         )
-    return SessionStart(version=version, sample_rate=rate)
+    dialog = msg.get("dialog", True)
+    if not isinstance(dialog, bool):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "session.start.dialog must be true or false", fatal=True)
+    return SessionStart(version=version, sample_rate=rate, dialog=dialog)
 
 
 def parse_binary(data: bytes, sample_rate: int, limits: Limits) -> AudioFrame:
@@ -127,8 +158,18 @@ def parse_binary(data: bytes, sample_rate: int, limits: Limits) -> AudioFrame:
     return AudioFrame(seq=seq, pcm=bytes(pcm))
 
 
-def encode_audio_frame(seq: int, pcm: bytes) -> bytes:
-    return BINARY_HEADER.pack(BinaryKind.AUDIO_IN, seq & 0xFFFFFFFF) + pcm
+def encode_audio_frame(seq: int, pcm: bytes, kind: BinaryKind = BinaryKind.AUDIO_IN) -> bytes:
+    return BINARY_HEADER.pack(kind, seq & 0xFFFFFFFF) + pcm
+
+
+def parse_audio_out(data: bytes) -> AudioFrame:
+    """A server's reply-audio frame (for clients)."""
+    if len(data) < BINARY_HEADER.size:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "binary message shorter than its header")
+    kind, seq = BINARY_HEADER.unpack_from(data)
+    if kind != BinaryKind.AUDIO_OUT:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"not an audio-out frame (kind {kind})")
+    return AudioFrame(seq=seq, pcm=bytes(data[BINARY_HEADER.size :]))
 
 
 def _words(words: tuple[ev.Word, ...]) -> list[dict[str, Any]]:
@@ -153,6 +194,29 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
             }
         case ev.UtteranceFinalized(utterance=u, words=words):
             return {"type": ServerType.TRANSCRIPT_FINAL, "utterance": u, "text": event.text, "words": _words(words)}
+        case ev.TurnEnded(turn=turn, text=text, eos_s=eos, silence_ms=silence, p_end=p):
+            return {
+                "type": ServerType.TURN_ENDED,
+                "turn": turn,
+                "text": text,
+                "eos": round(eos, 3),
+                "silence_ms": round(silence, 1),
+                "p_end": None if p is None else round(p, 5),
+            }
+        case ev.ReplyStarted(reply=r):
+            return {"type": ServerType.REPLY_STARTED, "reply": r}
+        case ev.ReplyDelta(reply=r, text=text):
+            return {"type": ServerType.REPLY_DELTA, "reply": r, "text": text}
+        case ev.ReplyDone(reply=r, text=text, audio_ms=ms):
+            return {"type": ServerType.REPLY_DONE, "reply": r, "text": text, "audio_ms": round(ms, 1)}
+        case ev.ReplyInterrupted(reply=r, heard_ms=ms, heard_text=text, reason=reason):
+            return {
+                "type": ServerType.REPLY_INTERRUPTED,
+                "reply": r,
+                "heard_ms": round(ms, 1),
+                "heard_text": text,
+                "reason": reason,
+            }
         case ev.ErrorRaised(code=code, message=message):
             return error_message(code, message)
     raise TypeError(f"no wire encoding for {type(event).__name__}")

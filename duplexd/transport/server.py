@@ -1,6 +1,9 @@
-"""The WebSocket + HTTP shell. It moves bytes and events; the session core decides, the workers compute.
+"""The WebSocket + HTTP shell. It moves bytes and events; the session cores decide, the workers compute.
 
 Routes on one port: `/v1/stream` (WebSocket, native protocol v1), `GET /healthz`, `GET /` (web client).
+
+Per connection: `Session` (audio -> VAD -> transcripts) feeds `Conversation` (turns, replies, barge-in),
+whose commands go to the dialog worker (LLM), the TTS worker, and the `Playout` that paces reply audio.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import numpy as np
 from websockets.asyncio.server import Server as WsServer
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
@@ -24,12 +29,18 @@ from duplexd import __version__
 from duplexd.asr.engine import AsrEngine
 from duplexd.asr.vad import SileroVad
 from duplexd.config import ServerConfig
+from duplexd.dialog.engine import DialogEngine
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
+from duplexd.scheduler.dialog import DialogWorker
+from duplexd.scheduler.tts import TtsWorker
 from duplexd.scheduler.workers import AsrScheduler, VadWorker
+from duplexd.streaming import conversation as cv
 from duplexd.streaming.events import Event
+from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
 from duplexd.transport import protocol
 from duplexd.transport.protocol import Limits, ServerType
+from duplexd.tts.engine import OUTPUT_SAMPLE_RATE, TtsEngine
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +70,26 @@ class _Closing(Exception):
         self.reason = reason
 
 
+@dataclass(frozen=True, slots=True)
+class Engines:
+    """The loaded models. Without `dialog` and `tts` the server only transcribes."""
+
+    vad: SileroVad
+    asr: AsrEngine
+    dialog: DialogEngine | None = None
+    tts: TtsEngine | None = None
+
+
 class Server:
-    def __init__(self, config: ServerConfig, vad: SileroVad, asr: AsrEngine) -> None:
+    def __init__(self, config: ServerConfig, engines: Engines) -> None:
         self.config = config
         t = config.transport
         self.limits = Limits(t.min_sample_rate, t.max_sample_rate, t.max_frame_ms, t.max_message_bytes)
-        self.vad = VadWorker(vad, max_pending=4 * t.max_sessions)
-        self.asr = AsrScheduler(asr)
-        self.asr_name = asr.name
+        self.vad = VadWorker(engines.vad, max_pending=4 * t.max_sessions)
+        self.asr = AsrScheduler(engines.asr)
+        self.asr_name = engines.asr.name
+        self.dialog = DialogWorker(engines.dialog) if engines.dialog and engines.tts else None
+        self.tts = TtsWorker(engines.tts) if engines.dialog and engines.tts else None
         self.sessions: dict[str, Session] = {}
         self.counters = {"connections": 0, "sessions": 0, "protocol_errors": 0, "refused": 0}
         self._ws: WsServer | None = None
@@ -82,8 +105,9 @@ class Server:
         t = self.config.transport
         try:
             async with asyncio.TaskGroup() as tg:
-                vad_task = tg.create_task(self.vad.run())
-                asr_task = tg.create_task(self.asr.run())
+                workers = [tg.create_task(self.vad.run()), tg.create_task(self.asr.run())]
+                if self.dialog is not None and self.tts is not None:
+                    workers += [tg.create_task(self.dialog.run()), tg.create_task(self.tts.run())]
                 async with serve(
                     self._handle,
                     t.host,
@@ -99,11 +123,14 @@ class Server:
                     await stop.wait()
                     ws.close(close_connections=True)
                     await ws.wait_closed()
-                vad_task.cancel()
-                asr_task.cancel()
+                for task in workers:
+                    task.cancel()
         finally:
             self.vad.close()
             self.asr.close()
+            if self.dialog is not None and self.tts is not None:
+                self.dialog.close_worker()
+                self.tts.close()
 
     # -- HTTP ---------------------------------------------------------------------------------------
 
@@ -113,10 +140,20 @@ class Server:
             return None  # go on with the WebSocket handshake
         if path == "/healthz":
             return _response(http.HTTPStatus.OK, "application/json", json.dumps(self.health()).encode())
-        if path in ("/", "/index.html"):
-            page = resources.files("duplexd.clients.web").joinpath("index.html").read_bytes()
-            return _response(http.HTTPStatus.OK, "text/html; charset=utf-8", page)
+        if path == "/":
+            path = "/index.html"
+        static = _static_file(path)
+        if static is not None:
+            return _response(http.HTTPStatus.OK, *static)
         return _response(http.HTTPStatus.NOT_FOUND, "text/plain", b"not found\n")
+
+    def models(self) -> dict[str, str | None]:
+        return {
+            "vad": "silero-vad (onnx)",
+            "asr": self.asr_name,
+            "llm": self.dialog.name if self.dialog else None,
+            "tts": self.tts.engine.name if self.tts else None,
+        }
 
     def health(self) -> dict[str, Any]:
         stats = self.asr.stats
@@ -126,7 +163,7 @@ class Server:
             "version": __version__,
             "uptime_s": round(time.monotonic() - self._started, 1),
             "sessions": len(self.sessions),
-            "models": {"vad": "silero-vad (onnx)", "asr": self.asr_name},
+            "models": self.models(),
             "asr": {
                 "passes": stats.passes,
                 "busy_s": round(stats.busy_s, 3),
@@ -134,6 +171,15 @@ class Server:
                 "pass_p50_s": round(recent[len(recent) // 2], 3) if recent else None,
             },
             "counters": dict(self.counters),
+            "llm": None if self.dialog is None else _rounded(self.dialog.engine.stats),
+            "tts": None
+            if self.tts is None
+            else {
+                "pieces": self.tts.stats.pieces,
+                "busy_s": round(self.tts.stats.busy_s, 3),
+                "audio_s": round(self.tts.stats.audio_s, 3),
+                "rtf": round(self.tts.stats.busy_s / self.tts.stats.audio_s, 4) if self.tts.stats.audio_s else None,
+            },
         }
 
     # -- WebSocket ----------------------------------------------------------------------------------
@@ -147,26 +193,60 @@ class Server:
             conn.release()
 
 
+def _rounded(stats: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in stats.items()}
+
+
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+}
+
+
+def _static_file(path: str) -> tuple[str, bytes] | None:
+    """A file of the web client (`duplexd/clients/web/`, flat, no subfolders): (content type, bytes)."""
+    name = path.removeprefix("/")
+    content_type = _CONTENT_TYPES.get(name[name.rfind(".") :] if "." in name else "")
+    if content_type is None or "/" in name or name.startswith("."):
+        return None
+    file = resources.files("duplexd.clients.web").joinpath(name)
+    return (content_type, file.read_bytes()) if file.is_file() else None
+
+
 def _response(status: http.HTTPStatus, content_type: str, body: bytes) -> Response:
     headers = Headers({"Content-Type": content_type, "Content-Length": str(len(body)), "Cache-Control": "no-store"})
     return Response(status.value, status.phrase, headers, body)
 
 
 class _Connection:
-    """One WebSocket: a reader that feeds the session core, a sender that drains a bounded queue."""
+    """One WebSocket: a reader that feeds the session cores, a sender that drains a bounded queue, and (in a
+    conversation) a pacer that sends reply audio as the client plays it."""
 
     def __init__(self, server: Server, ws: ServerConnection) -> None:
         self.server = server
         self.ws = ws
         self.session: Session | None = None
+        self.conversation: cv.Conversation | None = None
+        self.dialog_sid: int | None = None
         self.errors = 0
-        self._out: asyncio.Queue[str | None] = asyncio.Queue(maxsize=server.config.transport.outbound_queue)
+        self._out: asyncio.Queue[str | bytes | None] = asyncio.Queue(maxsize=server.config.transport.outbound_queue)
         self._overflowed = False
+        t = server.config.transport
+        self.playout = Playout(
+            OUTPUT_SAMPLE_RATE * t.audio_frame_ms // 1000, OUTPUT_SAMPLE_RATE * t.audio_lead_ms // 1000
+        )
+        self._audio_wake = asyncio.Event()
+        # Playback position: the client's reports when it sends them, else real-time playback assumed.
+        self._reported: tuple[int, float] | None = None  # (samples played, when reported)
+        self._virtual = 0  # samples played by the assumed real-time client
+        self._virtual_at = time.monotonic()
 
     async def run(self) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 sender = tg.create_task(self._send_loop())
+                pacer = tg.create_task(self._pace_loop())
                 try:
                     await self._read_loop()
                     self.send(None)  # let the sender finish what is queued, then stop
@@ -174,22 +254,32 @@ class _Connection:
                     self.send(None)
                     await sender
                     await self.ws.close(closing.code, closing.reason)
+                finally:
+                    pacer.cancel()
         except* ConnectionClosed:
             pass
 
     def release(self) -> None:
         if self.session is not None:
-            self.server.asr.unregister(self.session)
-            self.server.sessions.pop(self.session.id, None)
+            server = self.server
+            server.asr.unregister(self.session)
+            server.sessions.pop(self.session.id, None)
+            if self.dialog_sid is not None and server.dialog is not None:
+                server.dialog.close(self.dialog_sid)
+            if self.conversation is not None and server.tts is not None:
+                for reply in range(1, self.conversation.turns + 1):
+                    server.tts.cancel((self.session.id, reply))
             self.session = None
+            self.conversation = None
+            self.dialog_sid = None
 
     # outbound
 
-    def send(self, msg: dict[str, Any] | None) -> None:
+    def send(self, msg: dict[str, Any] | bytes | None) -> None:
         if self._overflowed:
             return
         try:
-            self._out.put_nowait(None if msg is None else protocol.dumps(msg))
+            self._out.put_nowait(msg if msg is None or isinstance(msg, bytes) else protocol.dumps(msg))
         except asyncio.QueueFull:
             # The client does not read fast enough; rather than buffer without bound, end the session.
             self._overflowed = True
@@ -198,12 +288,104 @@ class _Connection:
                 self.ws.transport.abort()
 
     def emit(self, events: list[Event]) -> None:
+        """Events of the session core (VAD, ASR): to the client, and into the conversation."""
         for event in events:
             self.send(protocol.encode_event(event))
+        if self.conversation is not None:
+            self._dispatch(self.conversation.observe(events))
+            self._tick()
 
     async def _send_loop(self) -> None:
         while (msg := await self._out.get()) is not None:
             await self.ws.send(msg)
+
+    # the conversation
+
+    def _tick(self) -> None:
+        session, conv = self.session, self.conversation
+        if session is None or conv is None:
+            return
+        self._dispatch(
+            conv.tick(stream_s=session.heard_s, silence_ms=session.silence_ms, asr_settled=session.asr_settled)
+        )
+
+    def _dispatch(self, outputs: list[cv.Output]) -> None:
+        """Carry out the conversation's commands; send its events."""
+        server, session, conv = self.server, self.session, self.conversation
+        if session is None or conv is None or server.dialog is None or server.tts is None or self.dialog_sid is None:
+            return
+        for out in outputs:
+            match out:
+                case cv.AppendUserText() | cv.StartReply() | cv.InterruptReply():
+                    server.dialog.submit(self.dialog_sid, out)
+                case cv.Synthesize(reply=reply, index=index, text=text):
+                    ahead_s = max(0, self.playout.sent + self.playout.queued - self._played()) / OUTPUT_SAMPLE_RATE
+                    server.tts.submit(
+                        (session.id, reply),
+                        text,
+                        lambda audio, r=reply, i=index: self._on_tts_audio(r, i, audio),
+                        deadline=time.monotonic() + ahead_s + 0.001 * index,
+                    )
+                case cv.PlayAudio(reply=reply, samples=samples):
+                    self.playout.push(reply, samples)  # type: ignore[arg-type]
+                    self._audio_wake.set()
+                case cv.EndAudio(reply=reply):
+                    self.playout.end(reply)
+                    self._audio_wake.set()
+                case cv.StopAudio(reply=reply):
+                    self.playout.stop(reply)
+                    server.tts.cancel((session.id, reply))
+                    # The client drops what it had not played and jumps to the end of what it received.
+                    conv.rebase_output(self.playout.sent)
+                    self._virtual = self.playout.sent
+                    if self._reported is not None:
+                        self._reported = (self.playout.sent, time.monotonic())
+                case _:
+                    self.send(protocol.encode_event(out))
+
+    def _on_tts_audio(self, reply: int, index: int, audio: np.ndarray) -> None:
+        if self.conversation is not None:
+            self._dispatch(self.conversation.audio_ready(reply, index, audio))
+
+    def on_reply(self, reply: int, texts: list[str], done: bool) -> None:  # DialogClient
+        if self.conversation is not None:
+            self._dispatch(self.conversation.reply_text(reply, texts, done))
+
+    def on_p_end(self, p: float, version: int) -> None:  # DialogClient
+        if self.conversation is not None:
+            self.conversation.p_end_of_turn(p, version)
+            self._tick()
+
+    def _played(self) -> int:
+        """Samples of the output stream the client has played by now."""
+        now = time.monotonic()
+        if self._reported is not None:
+            samples, at = self._reported
+            return min(self.playout.sent, samples + int((now - at) * OUTPUT_SAMPLE_RATE))
+        self._virtual = min(self.playout.sent, self._virtual + int((now - self._virtual_at) * OUTPUT_SAMPLE_RATE))
+        self._virtual_at = now
+        return self._virtual
+
+    async def _pace_loop(self) -> None:
+        frame_s = self.server.config.transport.audio_frame_ms / 1000
+        while True:
+            conv = self.conversation
+            if conv is None or not (conv.replying or self.playout.queued):
+                self._audio_wake.clear()
+                await self._audio_wake.wait()
+                continue
+            played = self._played()
+            frames, done = self.playout.take(played)
+            for seq, pcm in frames:
+                self.send(protocol.encode_audio_frame(seq, pcm, protocol.BinaryKind.AUDIO_OUT))
+            for reply in done:
+                self._dispatch(conv.audio_sent(reply))
+            self._dispatch(conv.played(played))
+            self._audio_wake.clear()
+            try:
+                await asyncio.wait_for(self._audio_wake.wait(), frame_s / 2)
+            except TimeoutError:
+                pass
 
     # inbound
 
@@ -237,19 +419,47 @@ class _Connection:
         if isinstance(msg, protocol.SessionStart):
             if self.session is not None:
                 raise ProtocolError(ErrorCode.ALREADY_STARTED, "session already started")
-            self._start(msg)
+            await self._start(msg)
             return False
         if self.session is None:
-            raise ProtocolError(ErrorCode.NOT_STARTED, "session.end before session.start", fatal=True)
+            raise ProtocolError(ErrorCode.NOT_STARTED, f"{type(msg).__name__} before session.start", fatal=True)
+        match msg:
+            case protocol.Playback(played_ms=played_ms):
+                self._on_playback(played_ms)
+                return False
+            case protocol.ReplyCancel():
+                if self.conversation is None or not self.conversation.replying:
+                    raise ProtocolError(ErrorCode.NO_REPLY, "reply.cancel with no reply in progress")
+                self._dispatch(self.conversation.cancel())
+                return False
         await self._finish()
         return True
 
-    def _start(self, msg: protocol.SessionStart) -> None:
+    def _on_playback(self, played_ms: float) -> None:
+        sent_ms = 1000 * self.playout.sent / OUTPUT_SAMPLE_RATE
+        previous_ms = 1000 * self._reported[0] / OUTPUT_SAMPLE_RATE if self._reported else 0.0
+        if played_ms < 0 or not previous_ms - 1 <= played_ms <= sent_ms + 1:  # 1 ms for the client's rounding
+            raise ProtocolError(
+                ErrorCode.BAD_PLAYBACK,
+                f"playback.played_ms {played_ms:.1f} is outside [{previous_ms:.1f}, {sent_ms:.1f}] "
+                "(it must not go back or pass the audio sent)",
+            )
+        samples = min(self.playout.sent, round(played_ms * OUTPUT_SAMPLE_RATE / 1000))
+        self._reported = (max(samples, self._reported[0] if self._reported else 0), time.monotonic())
+        if self.conversation is not None:
+            self._dispatch(self.conversation.played(samples))
+
+    async def _start(self, msg: protocol.SessionStart) -> None:
         server = self.server
         if len(server.sessions) >= server.config.transport.max_sessions:
             server.counters["refused"] += 1
             raise Overloaded(f"server is full ({len(server.sessions)} sessions)")
+        dialog = msg.dialog and server.dialog is not None
         session = Session(uuid.uuid4().hex, msg.sample_rate, server.config)
+        if dialog:
+            assert server.dialog is not None
+            self.dialog_sid = await server.dialog.open(self)  # raises PoolFull (Overloaded)
+            self.conversation = cv.Conversation(server.config.turn, server.config.tts)
         self.session = session
         server.sessions[session.id] = session
         server.counters["sessions"] += 1
@@ -261,12 +471,19 @@ class _Connection:
                 "session_id": session.id,
                 "version": protocol.PROTOCOL_VERSION,
                 "sample_rate": msg.sample_rate,
+                "dialog": dialog,
+                "output": {
+                    "sample_rate": OUTPUT_SAMPLE_RATE,
+                    "format": "pcm16",
+                    "frame_ms": t.audio_frame_ms,
+                    "lead_ms": t.audio_lead_ms,
+                },
                 "limits": {
                     "max_message_bytes": t.max_message_bytes,
                     "max_frame_ms": t.max_frame_ms,
                     "ack_interval_ms": t.ack_interval_ms,
                 },
-                "models": {"vad": "silero-vad", "asr": server.asr_name},
+                "models": server.models(),
             }
         )
 

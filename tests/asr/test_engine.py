@@ -18,7 +18,7 @@ def _audio(clip: Clip) -> np.ndarray:
 
 
 def test_one_pass_transcribes_a_clip_with_word_times(engines, clip_by_name: dict[str, Clip]) -> None:
-    _, asr = engines
+    asr = engines.asr
     clip = clip_by_name["clip02_libri_1272-128104-0000.wav"]
     result = asr.transcribe(_audio(clip), "")
     words = result.words
@@ -29,7 +29,7 @@ def test_one_pass_transcribes_a_clip_with_word_times(engines, clip_by_name: dict
 
 
 def test_offline_baseline_transcribes_the_same_clip(engines, clip_by_name: dict[str, Clip]) -> None:
-    _, asr = engines
+    asr = engines.asr
     clip = clip_by_name["clip02_libri_1272-128104-0000.wav"]
     result = asr.transcribe_offline(_audio(clip))
     assert wer([clip.text or ""], [" ".join(w.text for w in result.words)]) <= 0.1
@@ -37,14 +37,14 @@ def test_offline_baseline_transcribes_the_same_clip(engines, clip_by_name: dict[
 
 @pytest.mark.parametrize("kind", ["silence", "white noise"])
 def test_a_pass_over_no_speech_yields_no_words(engines, kind: str) -> None:
-    _, asr = engines
+    asr = engines.asr
     n = 3 * 16000
     audio = np.zeros(n, np.float32) if kind == "silence" else np.random.default_rng(3).normal(0, 0.03, n)
     assert asr.transcribe(audio.astype(np.float32), "").words == []
 
 
 def test_the_prompt_is_cut_to_its_last_whole_words(engines) -> None:
-    _, asr = engines
+    asr = engines.asr
     text = (
         "If the reader will excuse me, I will say nothing of my antecedents, nor of the circumstances which led"
         " me to leave my native country. The narrative would be tedious to him and painful to myself."

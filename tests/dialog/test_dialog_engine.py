@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from duplexd.dialog.engine import DialogEngine, EngineConfig, UnknownSession, WindowConfig
+from duplexd.dialog.engine import ChatFormat, DialogEngine, EngineConfig, UnknownSession, WindowConfig
 from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.kv_window import PoolFull
 from duplexd.dialog.model import Transformer
@@ -162,6 +162,9 @@ def test_interrupt_keeps_exactly_what_was_heard(smol) -> None:
     run_until_idle(engine)
     close = engine.tokenizer.encode(engine.format.reply_close)
     assert engine.tokens_seen(sid) == start + heard + len(close)
+    assert engine.tokenizer.decode(engine.context_tokens(sid)[start:]) == engine.tokenizer.decode(said[:heard]) + (
+        engine.format.reply_close
+    )
 
     # The same context reached without an interruption: the reply simply stopped after `heard` tokens.
     control_engine = make_engine(smol, max_sessions=1, max_reply_tokens=heard)
@@ -172,6 +175,7 @@ def test_interrupt_keeps_exactly_what_was_heard(smol) -> None:
         run_until_idle(e)
     p, q = engine.p_end_of_turn(sid), control_engine.p_end_of_turn(control)
     assert p is not None and q is not None and abs(p - q) < 1e-4
+    assert engine.context_tokens(sid) == control_engine.context_tokens(control)
     _, after = ask(engine, "", sid)
     _, control_after = ask(control_engine, "", control)
     assert len(control_after) == heard  # the control engine's cap applies to every reply
@@ -227,3 +231,17 @@ def test_config_is_validated() -> None:
         EngineConfig(window=WindowConfig(4, 16), prefill_chunk=32)
     with pytest.raises(ValueError, match="max_sessions"):
         EngineConfig(max_sessions=0)
+
+
+@torch.inference_mode()
+def test_context_tokens_are_the_resident_conversation(smol) -> None:
+    engine = make_engine(smol, max_sessions=1, prefill_chunk=16, window=WindowConfig(sink_tokens=4, window_tokens=60))
+    sid = engine.open("Be brief.")
+    engine.append_user_text(sid, "Hello there, how are you today?" * 6)
+    run_until_idle(engine)
+    context = engine.context_tokens(sid)
+    resident = engine.resident_tokens(sid)
+    assert len(context) == resident and 32 < resident <= 64
+    everything = engine.tokenizer.encode(ChatFormat.from_tokenizer(engine.tokenizer, "Be brief.").system)
+    everything += engine.tokenizer.encode(engine.format.user_open + "Hello there, how are you today?" * 6)
+    assert context == everything[:4] + everything[4 - resident :]  # the sinks and the window

@@ -11,13 +11,17 @@ from duplexd.streaming import events as ev
 from duplexd.transport.protocol import (
     BINARY_HEADER,
     AudioFrame,
+    BinaryKind,
     Limits,
+    Playback,
+    ReplyCancel,
     SessionEnd,
     SessionStart,
     dumps,
     encode_audio_frame,
     encode_event,
     error_message,
+    parse_audio_out,
     parse_binary,
     parse_text,
 )
@@ -38,6 +42,10 @@ def start(**fields: object) -> str:
         (start(version=1, sample_rate=44100, extra={"ignored": True}), SessionStart(1, 44100)),
         ('{"type": "session.end"}', SessionEnd()),
         ('  {"type":"session.end", "reason": "bye"}  ', SessionEnd()),
+        (start(version=1, sample_rate=16000, dialog=False), SessionStart(1, 16000, dialog=False)),
+        ('{"type": "playback", "played_ms": 1520.5}', Playback(1520.5)),
+        ('{"type": "playback", "played_ms": 0}', Playback(0.0)),
+        ('{"type": "reply.cancel"}', ReplyCancel()),
     ],
 )
 def test_parse_text(text: str, expected: object) -> None:
@@ -79,6 +87,12 @@ BAD_TEXT = [
     pytest.param(start(version=1, sample_rate=0), ErrorCode.BAD_SAMPLE_RATE, True, id="rate-zero"),
     pytest.param(start(version=1, sample_rate=-16000), ErrorCode.BAD_SAMPLE_RATE, True, id="rate-negative"),
     pytest.param(start(version=2, sample_rate="x"), ErrorCode.UNSUPPORTED_VERSION, True, id="version-checked-first"),
+    pytest.param(start(version=1, sample_rate=16000, dialog="yes"), ErrorCode.BAD_MESSAGE, True, id="dialog-string"),
+    pytest.param('{"type": "playback"}', ErrorCode.BAD_PLAYBACK, False, id="playback-missing"),
+    pytest.param('{"type": "playback", "played_ms": "5"}', ErrorCode.BAD_PLAYBACK, False, id="playback-string"),
+    pytest.param('{"type": "playback", "played_ms": true}', ErrorCode.BAD_PLAYBACK, False, id="playback-bool"),
+    pytest.param('{"type": "playback", "played_ms": NaN}', ErrorCode.BAD_PLAYBACK, False, id="playback-nan"),
+    pytest.param('{"type": "playback", "played_ms": Infinity}', ErrorCode.BAD_PLAYBACK, False, id="playback-inf"),
 ]
 
 
@@ -179,6 +193,27 @@ ENCODED = [
         {"type": "transcript.final", "utterance": 3, "text": "hello world", "words": WORDS},
     ),
     (
+        ev.TurnEnded(turn=2, text="What time is it?", eos_s=3.2104, silence_ms=412.04, p_end=0.123456),
+        {
+            "type": "turn.ended",
+            "turn": 2,
+            "text": "What time is it?",
+            "eos": 3.21,
+            "silence_ms": 412.0,
+            "p_end": 0.12346,
+        },
+    ),
+    (ev.ReplyStarted(reply=2), {"type": "reply.started", "reply": 2}),
+    (ev.ReplyDelta(reply=2, text=" It is"), {"type": "reply.delta", "reply": 2, "text": " It is"}),
+    (
+        ev.ReplyDone(reply=2, text="It is noon.", audio_ms=1234.56),
+        {"type": "reply.done", "reply": 2, "text": "It is noon.", "audio_ms": 1234.6},
+    ),
+    (
+        ev.ReplyInterrupted(reply=2, heard_ms=500.04, heard_text="It", reason="barge_in"),
+        {"type": "reply.interrupted", "reply": 2, "heard_ms": 500.0, "heard_text": "It", "reason": "barge_in"},
+    ),
+    (
         ev.ErrorRaised(ErrorCode.ASR_BEHIND, "recognizer fell behind"),
         {"type": "error", "code": "asr_behind", "message": "recognizer fell behind"},
     ),
@@ -205,3 +240,14 @@ def test_non_events_are_not_encoded() -> None:
 def test_error_message() -> None:
     assert error_message(ErrorCode.OUT_OF_ORDER, "late") == {"type": "error", "code": "out_of_order", "message": "late"}
     assert dumps({"a": 1, "b": [1, 2]}) == '{"a":1,"b":[1,2]}'
+
+
+def test_audio_out_frames_round_trip_and_are_told_apart() -> None:
+    pcm = bytes(range(8)) * 2
+    frame = encode_audio_frame(7, pcm, BinaryKind.AUDIO_OUT)
+    assert parse_audio_out(frame) == AudioFrame(7, pcm)
+    with pytest.raises(ProtocolError):
+        parse_audio_out(encode_audio_frame(7, pcm))  # audio in is not audio out
+    with pytest.raises(ProtocolError) as info:
+        parse_binary(frame, 16000, LIMITS)  # nor is audio out accepted as audio in
+    assert info.value.code == ErrorCode.BAD_FRAME

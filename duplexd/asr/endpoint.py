@@ -1,0 +1,44 @@
+"""End of the user's turn: VAD silence, weighed by how finished the words are. Pure.
+
+The dialog LLM has already ingested the committed words, so its probability that the next token closes
+the user's turn is a free semantic completeness score: a finished question ends the turn after a short
+silence, a sentence cut mid-phrase ("I want to go to the") waits long enough for the user to go on.
+
+    endpointer.silence_needed_ms(p_end)                    # how long to wait for this text
+    endpointer.turn_over(silence_ms, text_final, p_end)    # decide, given what is known now
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from duplexd.config import TurnConfig
+
+# A transcript that trails off ("so I went to...", "and then,") is unfinished whatever the LLM says:
+# Whisper writes an ellipsis where the speaker paused mid-sentence.
+_TRAILING = ("...", "…", ",", "-", "—")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpointer:
+    config: TurnConfig
+
+    def silence_needed_ms(self, p_end: float | None, text: str = "") -> float:
+        """Silence after the last speech that ends a turn whose text has P(end of turn) = `p_end`."""
+        c = self.config
+        if p_end is None or text.rstrip().endswith(_TRAILING):
+            return float(c.max_silence_ms)
+        if p_end >= c.p_complete:
+            return float(c.min_silence_ms)
+        if p_end <= c.p_incomplete:
+            return float(c.max_silence_ms)
+        done = (math.log(p_end) - math.log(c.p_incomplete)) / (math.log(c.p_complete) - math.log(c.p_incomplete))
+        return c.max_silence_ms - done * (c.max_silence_ms - c.min_silence_ms)
+
+    def turn_over(self, *, silence_ms: float, text_final: bool, text: str, p_end: float | None) -> bool:
+        """True once the user has said something, the recognizer has settled it, and the silence since the
+        last speech is long enough for how complete it sounds."""
+        if not text.strip() or not text_final:
+            return False
+        return silence_ms >= self.silence_needed_ms(p_end, text)

@@ -1,0 +1,94 @@
+"""Conversation scenarios composed from the real recordings of the speech set: a question, a pause in
+mid-sentence, talking over the reply, a backchannel during it, the reply's own echo in the microphone.
+
+Composition only: concatenation, inserted silence, a gain, and speech injected at a chosen moment of the
+reply (`converse_pcm(inject=...)`); never synthesized voices. Audio is int16 mono at RATE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+from duplexd.clients.converse import ConversationResult
+
+RATE = 16_000
+
+# Word boundaries found by Whisper word timestamps on these files (see test_scenarios for the check).
+PAUSE_CLIP = "clip16_sb_example1.wav"  # "The birch canoe slid on the | smooth planks."
+PAUSE_AT_S = (2.18, 2.36)  # the quietest 10 ms in here is where the pause goes
+BACKCHANNEL_CLIP = "clip23_ami_meeting_30s.wav"  # a meeting: someone says "Okay, okay." alone
+BACKCHANNEL_SPAN_S = (8.2, 9.4)
+BACKCHANNEL_GAIN = 3.0  # a quiet far-field speaker in the meeting; brought to talking level
+
+
+def load(path: Path) -> np.ndarray:
+    audio, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    mono = audio.mean(axis=1)
+    if rate != RATE:
+        mono = soxr.resample(mono, rate, RATE)
+    return (np.clip(mono, -1, 1) * 32767).astype(np.int16)
+
+
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(round(seconds * RATE), np.int16)
+
+
+def quietest_cut(audio: np.ndarray, lo_s: float, hi_s: float, window_s: float = 0.01) -> int:
+    """Sample index of the quietest `window_s` stretch between `lo_s` and `hi_s` (a word boundary)."""
+    w = round(window_s * RATE)
+    lo, hi = round(lo_s * RATE), round(hi_s * RATE)
+    energy = [float(np.square(audio[i : i + w].astype(np.float64)).sum()) for i in range(lo, hi - w, w // 2)]
+    return lo + int(np.argmin(energy)) * (w // 2) + w // 2
+
+
+def with_pause(audio: np.ndarray, lo_s: float, hi_s: float, pause_s: float) -> tuple[np.ndarray, float]:
+    """`audio` with `pause_s` of silence inserted at its quietest point in [lo_s, hi_s]; returns the audio
+    and the time the speech resumes."""
+    cut = quietest_cut(audio, lo_s, hi_s)
+    out = np.concatenate([audio[:cut], silence(pause_s), audio[cut:]])
+    return out, cut / RATE + pause_s
+
+
+def backchannel(speech_dir: Path) -> np.ndarray:
+    a, b = BACKCHANNEL_SPAN_S
+    audio = load(speech_dir / BACKCHANNEL_CLIP)[round(a * RATE) : round(b * RATE)].astype(np.float32)
+    return np.clip(audio * BACKCHANNEL_GAIN, -32767, 32767).astype(np.int16)
+
+
+def speech_end_s(audio: np.ndarray, threshold: float = 0.5) -> float:
+    """Where the speech in `audio` ends: the end of the last 32 ms chunk Silero VAD calls speech."""
+    from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
+
+    x = audio.astype(np.float32) / 32768.0
+    k = len(x) // VAD_CHUNK_SAMPLES
+    (probs,) = SileroVad().probabilities([VadStream()], [x[: k * VAD_CHUNK_SAMPLES].reshape(k, -1)])
+    voiced = np.flatnonzero(probs >= threshold)
+    return float((voiced[-1] + 1) * VAD_CHUNK_SAMPLES / RATE) if len(voiced) else 0.0
+
+
+@dataclass(slots=True)
+class During:
+    """Say `audio` once, `after_s` after the first audio of the reply arrived (an `inject` callback)."""
+
+    audio: np.ndarray
+    after_s: float
+    said_at: float | None = None  # monotonic time it started
+
+    def __call__(self, result: ConversationResult) -> np.ndarray | None:
+        import time
+
+        if self.said_at is not None or not result.audio:
+            return None
+        if time.monotonic() - result.audio[0].t < self.after_s:
+            return None
+        self.said_at = time.monotonic()
+        return self.audio
+
+
+Inject = Callable[[ConversationResult], np.ndarray | None]

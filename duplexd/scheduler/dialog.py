@@ -1,0 +1,149 @@
+"""The LLM worker: one task owns the dialog engine; its steps run on one thread.
+
+The engine is not thread-safe, so sessions never call it directly: they queue commands, which the worker
+applies between steps (on the event loop, where they only tokenize and edit lists), then it runs the next
+step on its thread and hands each session its new reply text and P(end of turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from duplexd.dialog.engine import DialogEngine
+from duplexd.errors import Overloaded
+from duplexd.streaming.conversation import AppendUserText, InterruptReply, StartReply
+
+log = logging.getLogger(__name__)
+
+DialogCommand = AppendUserText | StartReply | InterruptReply
+
+
+class DialogClient(Protocol):
+    def on_reply(self, reply: int, texts: list[str], done: bool) -> None: ...
+
+    def on_p_end(self, p: float, version: int) -> None: ...
+
+
+@dataclass(slots=True)
+class _Entry:
+    client: DialogClient
+    reply: int | None = None
+    reported: int = 0  # reply tokens handed to the client
+    version: int = 0  # the last AppendUserText applied
+    p_version: int = -1  # the version whose P(end of turn) was reported
+
+
+class DialogWorker:
+    def __init__(self, engine: DialogEngine, max_commands: int = 4096) -> None:
+        self.engine = engine
+        self._entries: dict[int, _Entry] = {}
+        self._commands: deque[tuple[str, object]] = deque()
+        self._max_commands = max_commands
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-llm")
+
+    @property
+    def name(self) -> str:
+        return str(self.engine.config.model)
+
+    def _queue(self, kind: str, payload: object) -> None:
+        if len(self._commands) >= self._max_commands:
+            raise Overloaded("dialog command queue is full")
+        self._commands.append((kind, payload))
+        self._wake.set()
+
+    async def open(self, client: DialogClient) -> int:
+        """A new conversation; raises `PoolFull` (an `Overloaded`) when every KV slot is taken."""
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._queue("open", (client, done))
+        return await done
+
+    def submit(self, sid: int, command: DialogCommand) -> None:
+        self._queue("command", (sid, command))
+
+    def close(self, sid: int) -> None:
+        self._queue("close", sid)
+
+    def _apply(self) -> None:
+        engine = self.engine
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "open":
+                client, done = payload  # type: ignore[misc]
+                if done.cancelled():
+                    continue
+                try:
+                    sid = engine.open()
+                except Exception as exc:  # PoolFull, or a broken engine
+                    done.set_exception(exc)
+                    continue
+                self._entries[sid] = _Entry(client)
+                done.set_result(sid)
+            elif kind == "close":
+                if self._entries.pop(payload, None) is not None:  # type: ignore[call-overload]
+                    engine.close(payload)  # type: ignore[arg-type]
+            else:
+                sid, command = payload  # type: ignore[misc]
+                entry = self._entries.get(sid)
+                if entry is not None:
+                    self._command(sid, entry, command)
+
+    def _command(self, sid: int, entry: _Entry, command: DialogCommand) -> None:
+        engine = self.engine
+        match command:
+            case AppendUserText(text=text, version=version):
+                engine.append_user_text(sid, text)
+                entry.version = version
+            case StartReply(reply=reply):
+                engine.start_reply(sid)
+                entry.reply, entry.reported = reply, 0
+            case InterruptReply(reply=reply, heard_tokens=heard):
+                if entry.reply == reply:
+                    engine.interrupt(sid, heard)
+                    entry.reply = None
+
+    def _dispatch(self) -> None:
+        engine, tok = self.engine, self.engine.tokenizer
+        for sid, entry in self._entries.items():
+            if entry.reply is not None:
+                tokens = engine.reply_tokens(sid)
+                done = not engine.replying(sid)
+                if len(tokens) > entry.reported or done:
+                    texts = [tok.decode(tokens[:k]) for k in range(entry.reported + 1, len(tokens) + 1)]
+                    entry.reported = len(tokens)
+                    reply = entry.reply
+                    if done:
+                        entry.reply = None
+                    entry.client.on_reply(reply, texts, done)
+            if entry.p_version != entry.version:
+                p = engine.p_end_of_turn(sid)
+                if p is not None:
+                    entry.p_version = entry.version
+                    entry.client.on_p_end(p, entry.version)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                try:
+                    self._apply()
+                    self._dispatch()
+                except Exception:  # a bug in one session's handling must not stop every conversation
+                    log.exception("dialog worker: applying commands failed")
+                if not self.engine.busy():
+                    break
+                try:
+                    await loop.run_in_executor(self._executor, self.engine.step)
+                except Exception:
+                    log.exception("dialog step failed")
+                    await asyncio.sleep(0.1)
+
+    def close_worker(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,375 @@
+"""One session's conversation: turns, replies, barge-in. Pure: the shell feeds it what the recognizer, the
+dialog engine, TTS and the client report, and carries out the commands it returns.
+
+    transcript events -> observe()      -> AppendUserText (committed words stream into the LLM)
+    every tick        -> tick()         -> TurnEnded + StartReply, once the endpointer says the turn is over
+    reply text        -> reply_text()   -> ReplyDelta + Synthesize (pieces cut by the TextChunker)
+    TTS audio         -> audio_ready()  -> PlayAudio (in order), EndAudio once the whole reply is voiced
+    audio sent        -> audio_sent()   -> ReplyDone
+    user talks over   -> observe()      -> InterruptReply + StopAudio + ReplyInterrupted (context = what was heard)
+
+Times: `stream_s` is seconds of input audio (the client's timeline); output audio is counted in samples
+of the 24 kHz output stream, the timeline of the client's `playback.played_ms`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+from duplexd.asr.endpoint import Endpointer
+from duplexd.config import TtsConfig, TurnConfig
+from duplexd.streaming.events import (
+    Event,
+    ReplyDelta,
+    ReplyDone,
+    ReplyInterrupted,
+    ReplyStarted,
+    TranscriptUpdated,
+    TurnEnded,
+    UtteranceFinalized,
+    Word,
+)
+from duplexd.tts.chunker import TextChunker
+from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
+
+# --- commands for the shell ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AppendUserText:
+    text: str  # with its leading space where it continues the turn
+    version: int  # the count of appends so far: a P(end of turn) is for the text of one version
+
+
+@dataclass(frozen=True, slots=True)
+class StartReply:
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class InterruptReply:
+    reply: int
+    heard_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Synthesize:
+    reply: int
+    index: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlayAudio:
+    """Queue these samples (float32, 24 kHz) of reply `reply` for sending, after all queued before."""
+
+    reply: int
+    samples: object  # np.ndarray; typed loosely to keep this module free of numpy
+
+
+@dataclass(frozen=True, slots=True)
+class EndAudio:
+    """Reply `reply` has no more audio: send its last partial frame, then report `audio_sent`."""
+
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class StopAudio:
+    """Drop every queued, unsent frame of reply `reply` and every TTS job for it."""
+
+    reply: int
+
+
+Command = AppendUserText | StartReply | InterruptReply | Synthesize | PlayAudio | EndAudio | StopAudio
+Output = Event | Command
+
+_NORMALIZE = re.compile(r"[^\w'\-]+")
+
+
+def _norm(word: str) -> str:
+    return _NORMALIZE.sub("", word.lower()).strip("-'")
+
+
+class Phase(Enum):
+    LISTENING = "listening"
+    REPLYING = "replying"  # from the end of the user's turn until the reply has been played (or stopped)
+
+
+@dataclass(slots=True)
+class _Reply:
+    number: int
+    first_utterance: int  # utterances numbered from here on began while the assistant had the floor
+    text: str = ""
+    token_ends: list[int] = field(default_factory=list)  # len(text) after each reply token
+    text_done: bool = False
+    pieces: list[tuple[int, str]] = field(default_factory=list)  # (end offset in text, piece text)
+    audio: dict[int, object] = field(default_factory=dict)  # piece index -> samples, not yet played out
+    piece_samples: list[int] = field(default_factory=list)  # samples of each piece handed to the output
+    start_sample: int | None = None  # where the reply's audio begins in the output stream
+    audio_ended: bool = False
+    sent: bool = False
+    chunker: TextChunker = field(default_factory=TextChunker)
+
+    @property
+    def samples(self) -> int:
+        return sum(self.piece_samples)
+
+    def words(self) -> set[str]:
+        return {_norm(w) for w in self.text.split()}
+
+
+class Conversation:
+    def __init__(self, turn: TurnConfig, tts: TtsConfig) -> None:
+        self._turn = turn
+        self._tts = tts
+        self._endpointer = Endpointer(turn)
+        self._backchannels = turn.backchannel_words
+        self.phase = Phase.LISTENING
+        self.turns = 0
+        self._turn_words: list[str] = []  # the user's words of the current turn, as sent to the LLM
+        self._sent: dict[int, int] = {}  # utterance -> words of it already sent to the LLM
+        self._open: set[int] = set()  # utterances with partials and no final yet
+        self._last_utterance = 0
+        self._versions = 0
+        self._p_end: float | None = None
+        self._p_version = -1
+        self._held: dict[int, tuple[tuple[Word, ...], int, bool]] = {}  # during a reply: words, committed, final
+        self._reply: _Reply | None = None
+        self._out_samples = 0  # output stream: samples handed to the shell so far
+        self._played_samples = 0
+
+    # --- listening -------------------------------------------------------------------------------------
+
+    def observe(self, events: list[Event]) -> list[Output]:
+        """Transcript events of this session's recognizer."""
+        out: list[Output] = []
+        for event in events:
+            if isinstance(event, TranscriptUpdated | UtteranceFinalized):
+                out.extend(self._on_words(event))
+        return out
+
+    def _on_words(self, event: TranscriptUpdated | UtteranceFinalized) -> list[Output]:
+        utt = event.utterance
+        final = isinstance(event, UtteranceFinalized)
+        committed = len(event.words) if final else event.committed
+        self._last_utterance = max(self._last_utterance, utt)
+        if final:
+            self._open.discard(utt)
+        else:
+            self._open.add(utt)
+        reply = self._reply
+        if reply is not None and utt >= reply.first_utterance:
+            self._held[utt] = (event.words, committed, final)
+            return self._maybe_barge_in()
+        return self._send_words(utt, event.words[:committed])
+
+    def _send_words(self, utt: int, words: tuple[Word, ...]) -> list[Output]:
+        new = words[self._sent.get(utt, 0) :]
+        if not new:
+            return []
+        self._sent[utt] = len(words)
+        texts = [w.text.strip() for w in new if w.text.strip()]
+        if not texts:
+            return []
+        text = " ".join(texts)
+        self._turn_words.extend(texts)
+        self._versions += 1
+        self._p_end = None
+        return [AppendUserText(text if len(self._turn_words) == len(texts) else " " + text, self._versions)]
+
+    def p_end_of_turn(self, p: float, version: int) -> None:
+        """The LLM's P(end of turn) after the append numbered `version` (stale ones are ignored)."""
+        if version == self._versions:
+            self._p_end, self._p_version = p, version
+
+    def tick(self, *, stream_s: float, silence_ms: float, asr_settled: bool) -> list[Output]:
+        """Called as time passes (each VAD batch, each ASR pass). `silence_ms`: since the last voiced audio
+        (0 while speaking); `asr_settled`: no recognizer pass due or running for this session."""
+        out: list[Output] = []
+        if self.phase is Phase.REPLYING:
+            return out
+        text = " ".join(self._turn_words)
+        final = asr_settled and not self._open
+        p = self._p_end if self._p_version == self._versions else None
+        if self._endpointer.turn_over(silence_ms=silence_ms, text_final=final, text=text, p_end=p):
+            self.turns += 1
+            eos_s = stream_s - silence_ms / 1000
+            out.append(TurnEnded(self.turns, text, eos_s, silence_ms, p))
+            self._turn_words = []
+            self._reply = _Reply(self.turns, self._last_utterance + 1)
+            self._reply.chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
+            self.phase = Phase.REPLYING
+            out += [StartReply(self.turns), ReplyStarted(self.turns)]
+        return out
+
+    # --- replying --------------------------------------------------------------------------------------
+
+    def reply_text(self, reply: int, texts: list[str], done: bool) -> list[Output]:
+        """New reply tokens: `texts[i]` is the whole reply decoded through its next token; `done` when the
+        LLM has finished the reply."""
+        r = self._reply
+        if r is None or r.number != reply or r.text_done:
+            return []
+        out: list[Output] = []
+        for text in texts:
+            shown = text[: len(text) - 1] if text.endswith("\ufffd") else text  # half a UTF-8 character
+            r.token_ends.append(len(shown))
+            if len(shown) > len(r.text) and shown.startswith(r.text):
+                out.extend(self._add_text(r, shown[len(r.text) :]))
+        if done:
+            r.text_done = True
+            out.extend(self._pieces(r, r.chunker.flush()))
+            out.extend(self._maybe_end_audio(r))
+        return out
+
+    def _add_text(self, r: _Reply, delta: str) -> list[Output]:
+        if not r.text:
+            delta = delta.lstrip()
+        r.text += delta
+        return [ReplyDelta(r.number, delta), *self._pieces(r, r.chunker.push(delta))]
+
+    def _pieces(self, r: _Reply, pieces: list[str]) -> list[Output]:
+        out: list[Output] = []
+        for piece in pieces:
+            start = r.pieces[-1][0] if r.pieces else 0
+            at = r.text.find(piece, start)
+            end = (at + len(piece)) if at >= 0 else len(r.text)
+            r.pieces.append((end, piece))
+            out.append(Synthesize(r.number, len(r.pieces) - 1, piece))
+        return out
+
+    def audio_ready(self, reply: int, index: int, samples: object) -> list[Output]:
+        """TTS finished piece `index` of `reply`; pieces go out in order."""
+        r = self._reply
+        if r is None or r.number != reply:
+            return []
+        r.audio[index] = samples
+        out: list[Output] = []
+        while (nxt := len(r.piece_samples)) in r.audio:
+            audio = r.audio.pop(nxt)
+            if r.start_sample is None:
+                r.start_sample = self._out_samples
+            n = len(audio)  # type: ignore[arg-type]
+            r.piece_samples.append(n)
+            self._out_samples += n
+            out.append(PlayAudio(reply, audio))
+        return out + self._maybe_end_audio(r)
+
+    def _maybe_end_audio(self, r: _Reply) -> list[Output]:
+        if r.text_done and not r.audio_ended and len(r.piece_samples) == len(r.pieces):
+            r.audio_ended = True
+            if r.start_sample is None:
+                r.start_sample = self._out_samples
+            return [EndAudio(r.number)]
+        return []
+
+    def audio_sent(self, reply: int) -> list[Output]:
+        """Every frame of `reply` has been sent."""
+        r = self._reply
+        if r is None or r.number != reply or r.sent:
+            return []
+        r.sent = True
+        return [ReplyDone(r.number, r.text, 1000 * r.samples / OUTPUT_SAMPLE_RATE), *self._maybe_finish()]
+
+    def played(self, samples: int) -> list[Output]:
+        """The client has played `samples` of the output stream (reported, or estimated by the shell)."""
+        self._played_samples = max(self._played_samples, samples)
+        return self._maybe_finish()
+
+    def _maybe_finish(self) -> list[Output]:
+        """Back to listening once the reply has been sent and played out."""
+        r = self._reply
+        if r is None or not r.sent or r.start_sample is None:
+            return []
+        if self._played_samples < r.start_sample + r.samples:
+            return []
+        return self._leave_reply()
+
+    def _leave_reply(self) -> list[Output]:
+        """The floor returns to the user; words they said meanwhile that were not only backchannels or the
+        reply's own echo join their new turn."""
+        r = self._reply
+        assert r is not None
+        spoken = r.words()
+        self._reply = None
+        self.phase = Phase.LISTENING
+        held, self._held = self._held, {}
+        out: list[Output] = []
+        for utt, (words, committed, final) in sorted(held.items()):
+            if final and self._ignorable(words, spoken):
+                self._sent[utt] = len(words)
+                continue
+            out.extend(self._send_words(utt, words[:committed]))
+        return out
+
+    # --- barge-in ----------------------------------------------------------------------------------------
+
+    def _ignorable(self, words: tuple[Word, ...], spoken: set[str]) -> bool:
+        return all(_norm(w.text) in self._backchannels or _norm(w.text) in spoken or not _norm(w.text) for w in words)
+
+    def _maybe_barge_in(self) -> list[Output]:
+        r = self._reply
+        assert r is not None
+        spoken = r.words()
+        committed = hypothesis = 0
+        for words, n_committed, _ in self._held.values():
+            for i, w in enumerate(words):
+                n = _norm(w.text)
+                if n and n not in self._backchannels and n not in spoken:
+                    hypothesis += 1
+                    committed += i < n_committed
+        if committed < self._turn.barge_in_words and hypothesis < self._turn.barge_in_partial_words:
+            return []
+        return self._interrupt("barge_in")
+
+    def cancel(self) -> list[Output]:
+        """The client's `reply.cancel`. Returns [] with no reply in progress (the shell reports `no_reply`)."""
+        if self._reply is None:
+            return []
+        return self._interrupt("cancel")
+
+    @property
+    def replying(self) -> bool:
+        return self._reply is not None
+
+    def _interrupt(self, reason: str) -> list[Output]:
+        r = self._reply
+        assert r is not None
+        heard_samples = 0
+        if r.start_sample is not None:
+            heard_samples = max(0, min(self._played_samples - r.start_sample, r.samples))
+        heard_chars = self._heard_chars(r, heard_samples)
+        heard_tokens = sum(1 for end in r.token_ends if end <= heard_chars)
+        heard_text = r.text[: r.token_ends[heard_tokens - 1]].strip() if heard_tokens else ""
+        out: list[Output] = [
+            InterruptReply(r.number, heard_tokens),
+            StopAudio(r.number),
+            ReplyInterrupted(r.number, 1000 * heard_samples / OUTPUT_SAMPLE_RATE, heard_text, reason),
+        ]
+        r.sent = True
+        return out + self._leave_reply()
+
+    def rebase_output(self, sent_samples: int) -> None:
+        """After `StopAudio`: the output stream holds exactly what was sent, and the client skips what it
+        had not played (its played position jumps to the end of what it received)."""
+        self._out_samples = sent_samples
+        self._played_samples = max(self._played_samples, sent_samples)
+
+    @staticmethod
+    def _heard_chars(r: _Reply, heard_samples: int) -> int:
+        """Characters of the reply text voiced in its first `heard_samples` samples: whole pieces, then the
+        part of the current piece in proportion to its time, cut back to a word boundary."""
+        start_char, at = 0, 0
+        for (end_char, _), n in zip(r.pieces, r.piece_samples, strict=False):
+            if heard_samples >= at + n:
+                start_char, at = end_char, at + n
+                continue
+            if n == 0:
+                break
+            cut = start_char + int((end_char - start_char) * (heard_samples - at) / n)
+            space = r.text.rfind(" ", start_char, cut + 1)
+            return space if space > start_char else start_char
+        return start_char

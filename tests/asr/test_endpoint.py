@@ -1,0 +1,47 @@
+"""The endpointer: how long a silence ends the turn, by how complete the LLM finds the words."""
+
+from __future__ import annotations
+
+import pytest
+
+from duplexd.asr.endpoint import Endpointer
+from duplexd.config import TurnConfig
+
+CFG = TurnConfig(min_silence_ms=250, max_silence_ms=1200, p_complete=0.02, p_incomplete=0.001)
+END = Endpointer(CFG)
+
+
+def test_silence_needed_spans_the_bounds() -> None:
+    assert END.silence_needed_ms(0.6, "Can you tell me a joke?") == 250
+    assert END.silence_needed_ms(1e-6, "I want to go to the") == 1200
+    assert END.silence_needed_ms(None, "anything") == 1200  # unknown: wait as for an unfinished sentence
+    mid = END.silence_needed_ms(0.0045, "Hello.")
+    assert 250 < mid < 1200
+
+
+def test_silence_needed_falls_as_completeness_rises() -> None:
+    ps = [1e-5, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 0.5]
+    needed = [END.silence_needed_ms(p, "x.") for p in ps]
+    assert needed == sorted(needed, reverse=True)
+
+
+@pytest.mark.parametrize("text", ["so I went to...", "and then,", "well…", "the thing is -"])
+def test_trailing_off_is_unfinished_whatever_the_llm_says(text: str) -> None:
+    assert END.silence_needed_ms(0.9, text) == 1200
+
+
+def test_turn_over_needs_words_a_settled_transcript_and_the_silence() -> None:
+    ok = {"silence_ms": 300.0, "text_final": True, "text": "What time is it?", "p_end": 0.5}
+    assert END.turn_over(**ok)
+    assert not END.turn_over(**{**ok, "text_final": False})
+    assert not END.turn_over(**{**ok, "text": " "})
+    assert not END.turn_over(**{**ok, "silence_ms": 200.0})
+    assert not END.turn_over(**{**ok, "p_end": 1e-5})  # mid-sentence pause
+    assert END.turn_over(**{**ok, "p_end": 1e-5, "silence_ms": 1200.0})
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="max_silence_ms"):
+        TurnConfig(min_silence_ms=500, max_silence_ms=400)
+    with pytest.raises(ValueError, match="p_complete"):
+        TurnConfig(p_complete=0.001, p_incomplete=0.01)

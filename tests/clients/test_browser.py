@@ -1,0 +1,128 @@
+"""The web client in a real headless Chromium against a real server on port 0: the browser's fake microphone
+plays a real recording, the page streams it from its capture worklet, shows the live transcript, and plays
+the assistant's spoken reply through its player worklet; the page throws no JavaScript error on the way.
+
+Chromium is driven over the DevTools protocol (tests/clients/cdp.py). Needs /usr/bin/chromium
+(scripts/install-test-deps) and the shared speech data; skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+from cdp import CdpError, Page, launch_chromium
+
+from duplexd.bench.data import Clip
+
+pytestmark = pytest.mark.slow
+
+CLIP = "clip09_timit_ldc93s1.wav"  # "She had your dark suit in greasy wash water all year."
+MIC_RATE = 48000
+SILENCE_BEFORE_S = 0.5
+SILENCE_AFTER_S = 8.0  # the turn ends and the reply plays while the microphone is silent
+TRANSCRIPT_TIMEOUT_S = 60
+REPLY_TIMEOUT_S = 90  # model loading and CPU-only LLM + TTS
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium", path="/usr/bin")
+
+
+@pytest.fixture
+def fake_mic_wav(clip_by_name: dict[str, Clip], tmp_path: Path) -> Path:
+    """The recording as Chromium's fake microphone plays it: 16-bit mono 48 kHz, padded with silence."""
+    clip = clip_by_name.get(CLIP)
+    if clip is None:
+        pytest.skip(f"{CLIP} is not in the speech data manifest")
+    audio, rate = sf.read(clip.path, dtype="float32", always_2d=True)
+    speech = soxr.resample(audio.mean(axis=1), rate, MIC_RATE)
+    before = np.zeros(int(SILENCE_BEFORE_S * MIC_RATE), "float32")
+    after = np.zeros(int(SILENCE_AFTER_S * MIC_RATE), "float32")
+    padded = np.concatenate([before, speech, after])
+    path = tmp_path / "mic.wav"
+    sf.write(path, padded, MIC_RATE, subtype="PCM_16")
+    return path
+
+
+FINAL_TRANSCRIPT_JS = "[...document.querySelectorAll('#transcript p.final')].map(p => p.textContent).join(' ')"
+
+# A complete reply with text in #reply, whose audio the player worklet has played to the end.
+REPLY_PLAYED_JS = """(() => {
+  const d = window.duplexd;
+  const reply = d.replies.find(r => r.done && r.text.trim() && r.audioFramesReceived > 0);
+  const receivedMs = d.replies.reduce((sum, r) => sum + r.audioMsReceived, 0);
+  const text = document.querySelector('#reply').textContent.trim();
+  return reply && text && d.playedMs > 0 && d.playedMs >= receivedMs - 0.01 ? reply : null;
+})()"""
+
+
+async def _snapshot(page: Page) -> str:
+    """The page's state for a failure message."""
+    try:
+        state = await page.evaluate(
+            "JSON.stringify({status: document.querySelector('#status').textContent, duplexd: window.duplexd})"
+        )
+    except (CdpError, TimeoutError) as exc:
+        state = f"(page state unavailable: {exc})"
+    return f"{state}\nproblems: {page.problems}\nconsole: {page.console[-20:]}"
+
+
+async def _wait(page: Page, expression: str, timeout_s: float, what: str) -> object:
+    try:
+        return await page.wait_for(expression, timeout_s=timeout_s)
+    except TimeoutError:
+        pytest.fail(f"{what} within {timeout_s} s\n{await _snapshot(page)}")
+
+
+async def test_voice_conversation_in_chromium(make_server, fake_mic_wav: Path, tmp_path: Path) -> None:
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
+    srv = await make_server()
+    async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
+        await page.navigate(srv.http + "/")
+        await _wait(
+            page,
+            "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)",
+            20,
+            "the page did not load or did not reach the server's /healthz",
+        )
+        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'live'", 30, "the session did not start")
+
+        # The live transcript: a final line with the clip's words (Whisper tiny may miss one of them).
+        await _wait(
+            page,
+            f"/dark suit|greasy/i.test({FINAL_TRANSCRIPT_JS})",
+            TRANSCRIPT_TIMEOUT_S,
+            "no final transcript with 'dark suit' or 'greasy' in #transcript",
+        )
+
+        # The conversation: the assistant answered, and its audio came out of the player worklet.
+        if not await page.evaluate("window.duplexd.dialog"):
+            pytest.fail(
+                f"the server did not start a spoken conversation (session.started.dialog is not true)\n"
+                f"{await _snapshot(page)}"
+            )
+        reply = await _wait(page, REPLY_PLAYED_JS, REPLY_TIMEOUT_S, "no reply played")
+
+        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'ended'", 30, "the session did not end cleanly")
+        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
+        problems = list(page.problems)
+
+    assert state["closeCode"] == 1000
+    assert state["framesSent"] > 100 and state["lastLagMs"] is not None, state
+    assert any("dark suit" in t.lower() or "greasy" in t.lower() for t in state["transcriptFinal"]), state
+    assert isinstance(reply, dict) and reply["text"].strip(), reply
+    # Every sample the server said it sent (reply.done.audio_ms) arrived, and the player played them all.
+    assert reply["audioMsReceived"] == pytest.approx(reply["audioMs"], abs=0.1), reply
+    assert state["playedMs"] == pytest.approx(sum(r["audioMsReceived"] for r in state["replies"]), abs=0.1), state
+    assert state["playedMs"] > 0 and state["eosToFirstAudioMs"] and state["eosToFirstTextMs"], state
+    assert state["errors"] == [], state["errors"]
+    assert problems == [], problems

@@ -1,0 +1,129 @@
+"""The full-duplex voice loop end to end: a real server with every real model, real recordings composed
+into conversations, a client that plays the reply audio in real time and reports its playback."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from duplexd.bench import scenarios as sc
+from duplexd.clients.converse import ConversationResult, converse_pcm
+from duplexd.config import ServerConfig
+
+pytestmark = pytest.mark.slow
+
+# A reply long enough to talk over (SmolLM2-135M otherwise often answers in a few words).
+STORYTELLER = dataclasses.replace(
+    ServerConfig().dialog,
+    system_prompt="You are a storyteller. Answer every message with a long story of at least six sentences.",
+    max_reply_tokens=120,
+)
+
+
+def kinds(result: ConversationResult) -> list[str]:
+    return [r.event["type"] for r in result.events if r.event["type"] != "frame.ack"]
+
+
+def first(result: ConversationResult, kind: str) -> dict:
+    (found,) = [r.event for r in result.events if r.event["type"] == kind][:1]
+    return found
+
+
+async def test_a_question_gets_a_spoken_reply(make_server, clip_by_name) -> None:
+    srv = await make_server()
+    question = np.concatenate([sc.silence(0.5), sc.load(clip_by_name["clip09_timit_ldc93s1.wav"].path)])
+    result = await converse_pcm(srv.url, question, sc.RATE, max_s=90)
+    seen = kinds(result)
+    assert "suit" in " ".join(f["text"].lower() for f in map(lambda r: r.event, result.of_type("transcript.final")))
+    order = [seen.index(k) for k in ("transcript.final", "turn.ended", "reply.started", "reply.delta", "reply.done")]
+    assert order == sorted(order), seen
+    turn = first(result, "turn.ended")
+    assert "suit" in turn["text"].lower() and turn["turn"] == 1
+    assert 2.8 < turn["eos"] < 4.5  # the question ends 3.4 s into the stream
+    done = first(result, "reply.done")
+    deltas = "".join(r.event["text"] for r in result.of_type("reply.delta"))
+    assert done["text"] == deltas and len(deltas.split()) >= 1
+    audio = result.reply_audio(1)
+    assert abs(len(audio) / 24_000 * 1000 - done["audio_ms"]) < 1.0  # every sample arrived, at 24 kHz
+    assert np.sqrt(np.mean((audio / 32768.0) ** 2)) > 0.01  # speech, not silence
+    first_audio = result.audio[0].t
+    assert first_audio > result.of_type("turn.ended")[0].t
+    assert result.played_samples == len(audio)
+    assert [a.seq for a in result.audio] == list(range(1, len(result.audio) + 1))
+
+
+async def test_a_mid_sentence_pause_does_not_end_the_turn(make_server, clip_by_name) -> None:
+    srv = await make_server()
+    speech = sc.load(clip_by_name[sc.PAUSE_CLIP].path)
+    paused, resumes_s = sc.with_pause(speech, *sc.PAUSE_AT_S, pause_s=0.8)
+    audio = np.concatenate([sc.silence(0.5), paused])
+    result = await converse_pcm(srv.url, audio, sc.RATE, max_s=90)
+    turns = result.of_type("turn.ended")
+    assert len(turns) == 1, [t.event for t in turns]
+    text = turns[0].event["text"].lower()
+    assert "canoe" in text and "planks" in text  # both halves in one turn
+    assert turns[0].t > result.wall_time(0.5 + resumes_s)
+    finals = result.of_type("transcript.final")
+    assert len(finals) >= 1
+
+
+async def test_talking_over_the_reply_interrupts_it(make_server, clip_by_name) -> None:
+    srv = await make_server(ServerConfig(dialog=STORYTELLER))
+    question = np.concatenate([sc.silence(0.5), sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)])
+    talk_over = sc.During(sc.load(clip_by_name["clip16_sb_example1.wav"].path), after_s=1.0)
+    contexts: list[str] = []
+
+    def until(events) -> bool:
+        interrupted = [r for r in events if r.event["type"] == "reply.interrupted"]
+        if not interrupted or time.monotonic() - interrupted[0].t < 1.0:
+            return False
+        if not contexts:  # the LLM's view of the conversation, once the interruption is applied
+            engine = srv.server.dialog.engine
+            (sid,) = engine._sessions
+            contexts.append(engine.tokenizer.decode(engine.context_tokens(sid)))
+        return True
+
+    result = await converse_pcm(srv.url, question, sc.RATE, max_s=120, inject=talk_over, until=until)
+    assert talk_over.said_at is not None
+    stop = first(result, "reply.interrupted")
+    assert stop["reason"] == "barge_in" and stop["reply"] == 1
+    assert "reply.done" not in kinds(result)
+    full = "".join(r.event["text"] for r in result.of_type("reply.delta"))
+    heard = stop["heard_text"]
+    assert full.startswith(heard) and len(heard) < len(full)
+    sent_ms = len(result.reply_audio(1)) / 24
+    assert 0 < stop["heard_ms"] < sent_ms  # it stopped mid-reply, and only what was played counts
+    # The assistant turn in the LLM's context holds exactly the heard part, then the user's new words.
+    (context,) = contexts
+    assistant = context.split("<|im_start|>assistant\n")[-1]
+    said, _, after = assistant.partition("<|im_end|>")
+    assert said.strip() == heard.strip()
+    assert "<|im_start|>user" in after
+    # The talk-over became the user's next turn.
+    assert any("canoe" in r.event["text"].lower() for r in result.of_type("transcript.partial"))
+
+
+async def test_a_backchannel_does_not_interrupt(make_server, clip_by_name) -> None:
+    srv = await make_server(ServerConfig(dialog=STORYTELLER))
+    question = np.concatenate([sc.silence(0.5), sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)])
+    speech_dir = clip_by_name["clip22_deepspeech_new_home.wav"].path.parent
+    okay = sc.During(sc.backchannel(speech_dir), after_s=0.5)
+    result = await converse_pcm(srv.url, question, sc.RATE, max_s=120, inject=okay)
+    assert okay.said_at is not None
+    assert "reply.interrupted" not in kinds(result)
+    assert first(result, "reply.done")["reply"] == 1
+    # The backchannel was heard (so the test means something) and did not become a turn.
+    after = [r for r in result.of_type("transcript.final") if r.t > okay.said_at]
+    assert any("okay" in r.event["text"].lower() for r in after), [r.event["text"] for r in after]
+    assert len(result.of_type("turn.ended")) == 1
+
+
+async def test_the_replys_own_echo_does_not_interrupt(make_server, clip_by_name) -> None:
+    srv = await make_server()
+    question = np.concatenate([sc.silence(0.5), sc.load(clip_by_name["clip09_timit_ldc93s1.wav"].path)])
+    result = await converse_pcm(srv.url, question, sc.RATE, max_s=90, echo_gain=0.5)
+    assert "reply.interrupted" not in kinds(result)
+    assert first(result, "reply.done")["reply"] == 1

@@ -1,0 +1,227 @@
+"""The conversation core, driven by scripted recognizer, LLM, TTS and playback reports (it is pure)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from duplexd.config import TtsConfig, TurnConfig
+from duplexd.streaming import conversation as cv
+from duplexd.streaming.events import (
+    ReplyDelta,
+    ReplyDone,
+    ReplyInterrupted,
+    ReplyStarted,
+    TranscriptUpdated,
+    TurnEnded,
+    UtteranceFinalized,
+    Word,
+)
+from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
+
+SR = OUTPUT_SAMPLE_RATE
+
+
+def words(text: str, start: float = 0.0) -> tuple[Word, ...]:
+    return tuple(Word(w, start + 0.3 * i, start + 0.3 * i + 0.25) for i, w in enumerate(text.split()))
+
+
+def of(outputs: list[cv.Output], kind: type) -> list:
+    return [o for o in outputs if isinstance(o, kind)]
+
+
+def new() -> cv.Conversation:
+    return cv.Conversation(TurnConfig(), TtsConfig(first_words=3))
+
+
+def say(conv: cv.Conversation, utt: int, text: str, *, p_end: float = 0.5) -> list[cv.Output]:
+    """The user says `text` as utterance `utt`: a partial with two committed words, then the final."""
+    w = words(text)
+    out = conv.observe([TranscriptUpdated(utt, w, min(2, len(w)))])
+    out += conv.observe([UtteranceFinalized(utt, w)])
+    appends = of(out, cv.AppendUserText)
+    if appends:
+        conv.p_end_of_turn(p_end, appends[-1].version)
+    return out
+
+
+def start_reply(conv: cv.Conversation, text: str = "What is the capital of France?") -> int:
+    say(conv, 1, text)
+    out = conv.tick(stream_s=5.0, silence_ms=400, asr_settled=True)
+    (turn,) = of(out, TurnEnded)
+    return turn.turn
+
+
+def stream_reply(conv: cv.Conversation, reply: int, text: str) -> list[cv.Output]:
+    """The LLM produces `text` one word-token at a time, then ends."""
+    out: list[cv.Output] = []
+    toks = text.split(" ")
+    for i in range(len(toks)):
+        out += conv.reply_text(reply, [" ".join(toks[: i + 1])], done=False)
+    return out + conv.reply_text(reply, [], done=True)
+
+
+def voice_all(conv: cv.Conversation, reply: int, outputs: list[cv.Output], seconds_per_piece: float = 1.0):
+    """TTS every Synthesize command (1 s of audio each); returns the PlayAudio/EndAudio outputs."""
+    out: list[cv.Output] = []
+    for s in of(outputs, cv.Synthesize):
+        out += conv.audio_ready(reply, s.index, np.full(int(seconds_per_piece * SR), 0.1, np.float32))
+    return out
+
+
+def test_committed_words_stream_into_the_llm_as_they_commit() -> None:
+    conv = new()
+    out = conv.observe([TranscriptUpdated(1, words("what is the"), 1)])
+    assert [a.text for a in of(out, cv.AppendUserText)] == ["what"]
+    out = conv.observe([TranscriptUpdated(1, words("what is the time"), 3)])
+    assert [a.text for a in of(out, cv.AppendUserText)] == [" is the"]
+    out = conv.observe([UtteranceFinalized(1, words("what is the time now"))])
+    assert [a.text for a in of(out, cv.AppendUserText)] == [" time now"]
+    out = conv.observe([UtteranceFinalized(2, words("please"))])
+    assert [a.text for a in of(out, cv.AppendUserText)] == [" please"]  # same turn, next utterance
+
+
+def test_turn_ends_after_short_silence_when_complete_long_when_not() -> None:
+    conv = new()
+    say(conv, 1, "I want to go to the", p_end=1e-6)
+    assert conv.tick(stream_s=3.0, silence_ms=600, asr_settled=True) == []  # mid-sentence pause
+    out = conv.tick(stream_s=3.6, silence_ms=1200, asr_settled=True)
+    assert of(out, TurnEnded)[0].text == "I want to go to the"
+    conv = new()
+    say(conv, 1, "What time is it?", p_end=0.4)
+    assert conv.tick(stream_s=2.0, silence_ms=200, asr_settled=True) == []
+    assert conv.tick(stream_s=2.0, silence_ms=300, asr_settled=False) == []  # a pass still due
+    out = conv.tick(stream_s=2.05, silence_ms=300, asr_settled=True)
+    (turn,) = of(out, TurnEnded)
+    assert turn.text == "What time is it?" and turn.p_end == 0.4 and abs(turn.eos_s - 1.75) < 1e-9
+    assert of(out, cv.StartReply) == [cv.StartReply(1)] and of(out, ReplyStarted) == [ReplyStarted(1)]
+
+
+def test_a_stale_p_end_is_ignored() -> None:
+    conv = new()
+    out = say(conv, 1, "What time is it?", p_end=0.4)
+    version = of(out, cv.AppendUserText)[-1].version
+    conv.observe([UtteranceFinalized(2, words("in Paris"))])  # new words: the 0.4 was for older text
+    conv.p_end_of_turn(0.5, version)
+    assert conv.tick(stream_s=3.0, silence_ms=400, asr_settled=True) == []
+
+
+def test_reply_streams_as_deltas_and_pieces_and_ends_after_playback() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    out = stream_reply(conv, reply, "Paris is the capital of France.")
+    assert "".join(d.text for d in of(out, ReplyDelta)) == "Paris is the capital of France."
+    assert [s.text for s in of(out, cv.Synthesize)] == ["Paris is the", "capital of France."]
+    audio = voice_all(conv, reply, out)
+    assert len(of(audio, cv.PlayAudio)) == 2 and of(audio, cv.EndAudio) == [cv.EndAudio(reply)]
+    done = conv.audio_sent(reply)
+    assert of(done, ReplyDone)[0].audio_ms == 2000
+    assert conv.replying  # still audible
+    conv.played(2 * SR)
+    assert not conv.replying and conv.phase is cv.Phase.LISTENING
+
+
+def test_pieces_are_played_in_order_whatever_order_tts_finishes() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    out = stream_reply(conv, reply, "Paris is the capital of France.")
+    first, second = of(out, cv.Synthesize)
+    assert conv.audio_ready(reply, second.index, np.ones(10, np.float32)) == []
+    played = conv.audio_ready(reply, first.index, np.ones(20, np.float32))
+    assert [len(p.samples) for p in of(played, cv.PlayAudio)] == [20, 10]
+
+
+def test_barge_in_cuts_the_context_to_what_was_heard() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    out = stream_reply(conv, reply, "Paris is the capital of France. It is a big city.")
+    voice_all(conv, reply, out)
+    conv.played(int(1.5 * SR))  # all of "Paris is the" and half of "capital of France."
+    out = conv.observe([TranscriptUpdated(2, words("wait no"), 1)])
+    (stop,) = of(out, cv.InterruptReply)
+    (told,) = of(out, ReplyInterrupted)
+    assert told.heard_ms == 1500 and told.reason == "barge_in"
+    assert told.heard_text == "Paris is the capital"  # cut back to a word boundary
+    assert stop.heard_tokens == 4
+    assert of(out, cv.StopAudio) == [cv.StopAudio(reply)]
+    assert [a.text for a in of(out, cv.AppendUserText)] == ["wait"]  # starts the user's next turn
+    assert not conv.replying
+
+
+def test_barge_in_before_any_audio_keeps_nothing() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    conv.reply_text(reply, ["Paris"], done=False)
+    out = conv.observe([TranscriptUpdated(2, words("and Berlin"), 2)])
+    assert of(out, cv.InterruptReply) == [cv.InterruptReply(reply, 0)]
+    assert of(out, ReplyInterrupted)[0].heard_text == ""
+
+
+def test_backchannels_and_echo_do_not_interrupt_and_are_dropped() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    out = stream_reply(conv, reply, "Paris is the capital of France.")
+    voice_all(conv, reply, out)
+    assert conv.observe([TranscriptUpdated(2, words("Yeah. Mm-hmm, okay"), 3)]) == []
+    assert conv.observe([UtteranceFinalized(2, words("yeah mm-hmm okay"))]) == []
+    assert conv.observe([UtteranceFinalized(3, words("capital of France"))]) == []  # its own voice
+    conv.audio_sent(reply)
+    out = conv.played(2 * SR)
+    assert not conv.replying and of(out, cv.AppendUserText) == []  # neither joins the next turn
+
+
+def test_words_after_the_reply_join_the_next_turn() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    out = stream_reply(conv, reply, "Paris.")
+    voice_all(conv, reply, out)
+    conv.audio_sent(reply)
+    assert conv.observe([TranscriptUpdated(2, words("yeah and Berlin"), 1)]) == []  # "yeah": not yet
+    out = conv.played(10 * SR)
+    assert [a.text for a in of(out, cv.AppendUserText)] == ["yeah"]
+    out = conv.observe([UtteranceFinalized(2, words("yeah and Berlin?"))])
+    assert [a.text for a in of(out, cv.AppendUserText)] == [" and Berlin?"]
+
+
+def test_cancel_without_a_reply_is_a_no_op_and_with_one_interrupts() -> None:
+    conv = new()
+    assert conv.cancel() == []
+    reply = start_reply(conv)
+    out = conv.cancel()
+    assert of(out, ReplyInterrupted)[0].reason == "cancel" and of(out, cv.InterruptReply)[0].reply == reply
+    assert conv.cancel() == []
+
+
+def test_stale_replies_and_audio_are_ignored() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    conv.cancel()
+    assert conv.reply_text(reply, ["late"], done=False) == []
+    assert conv.audio_ready(reply, 0, np.ones(5, np.float32)) == []
+    assert conv.audio_sent(reply) == []
+    assert conv.played(-5) == []
+
+
+def test_second_turn_numbers_follow_and_audio_positions_continue() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    out = stream_reply(conv, reply, "Paris.")
+    voice_all(conv, reply, out)
+    conv.audio_sent(reply)
+    conv.played(SR)
+    say(conv, 2, "And Germany?")
+    out = conv.tick(stream_s=9.0, silence_ms=400, asr_settled=True)
+    assert of(out, TurnEnded)[0].turn == 2
+    out = stream_reply(conv, 2, "Berlin.")
+    voice_all(conv, 2, out)
+    conv.played(int(1.5 * SR))  # half of the second reply's audio
+    out = conv.cancel()
+    assert of(out, ReplyInterrupted)[0].heard_ms == 500
+
+
+def test_a_long_enough_hypothesis_interrupts_before_words_commit() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
+    assert conv.observe([TranscriptUpdated(2, words("no that is"), 0)]) == []  # "is": the reply's own word
+    out = conv.observe([TranscriptUpdated(2, words("no that is wrong"), 0)])
+    assert of(out, ReplyInterrupted)
