@@ -182,10 +182,12 @@ class TurnConfig:
     # cut mid-phrase below 1e-4. Between the two bounds the silence needed falls log-linearly.
     p_complete: float = 0.02
     p_incomplete: float = 0.001
-    barge_in_words: int = 1
+    barge_in_words: int = 2
     """Committed words (not backchannels, not the reply's own echo) that interrupt the reply ..."""
-    barge_in_partial_words: int = 3
+    barge_in_partial_words: int = 2
     """... or as many words of the recognizer's latest (not yet committed) hypothesis."""
+    echo_similarity: float = 0.6
+    """Speech heard during a reply that matches a stretch of the reply this well (0..1) is its own echo."""
     backchannels: str = "yeah,yes,yep,yup,okay,ok,right,sure,mm-hmm,mhm,mm,hmm,uh-huh,uh,um,oh,ah,alright,cool,wow"
     """Words that never interrupt (comma-separated, matched case- and punctuation-insensitively)."""
 
@@ -198,6 +200,7 @@ class TurnConfig:
             0.0 < self.p_incomplete < self.p_complete < 1.0, "turn.p_complete", self.p_complete, "in (p_incomplete, 1)"
         )
         _require(self.barge_in_words >= 1, "turn.barge_in_words", self.barge_in_words, ">= 1")
+        _require(0.0 < self.echo_similarity <= 1.0, "turn.echo_similarity", self.echo_similarity, "in (0, 1]")
         _require(self.barge_in_partial_words >= 1, "turn.barge_in_partial_words", self.barge_in_partial_words, ">= 1")
 
     @property

@@ -317,11 +317,24 @@ class DialogEngine:
         session.p_end_of_turn = None
 
     def interrupt(self, sid: int, heard_tokens: int) -> None:
-        """Stop the reply; keep only its first `heard_tokens` tokens in the conversation."""
+        """Stop the reply; keep only its first `heard_tokens` tokens in the conversation.
+
+        Also cuts a reply the engine has already finished, as long as nothing followed it yet (its audio
+        can still be playing when the user talks over it)."""
         session = self._get(sid)
-        if not session.replying:
+        close = self.tokenizer.encode(self.format.reply_close)
+        after_reply = session.reply_start + len(session.reply) + len(close)
+        finished = (
+            not session.replying
+            and bool(session.reply)
+            and not session.user_open
+            and session.window.n + len(session.pending) == after_reply
+        )
+        if not (session.replying or finished):
             return
         heard = max(0, min(heard_tokens, len(session.reply)))
+        if finished and heard == len(session.reply):
+            return  # all of it was heard: nothing to cut
         ingested = session.window.n - session.reply_start  # reply tokens already in the KV
         if ingested > heard:
             session.window.truncate(session.reply_start + heard)

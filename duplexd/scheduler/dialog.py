@@ -32,15 +32,17 @@ class DialogClient(Protocol):
 @dataclass(slots=True)
 class _Entry:
     client: DialogClient
-    reply: int | None = None
+    reply: int | None = None  # the reply being generated
+    last_reply: int | None = None  # the latest reply started (its audio may play on after generation)
     reported: int = 0  # reply tokens handed to the client
     version: int = 0  # the last AppendUserText applied
     p_version: int = -1  # the version whose P(end of turn) was reported
 
 
 class DialogWorker:
-    def __init__(self, engine: DialogEngine, max_commands: int = 4096) -> None:
+    def __init__(self, engine: DialogEngine, system_prompt: str | None = None, max_commands: int = 4096) -> None:
         self.engine = engine
+        self._system_prompt = system_prompt  # None: the engine's own
         self._entries: dict[int, _Entry] = {}
         self._commands: deque[tuple[str, object]] = deque()
         self._max_commands = max_commands
@@ -78,7 +80,7 @@ class DialogWorker:
                 if done.cancelled():
                     continue
                 try:
-                    sid = engine.open()
+                    sid = engine.open(self._system_prompt)
                 except Exception as exc:  # PoolFull, or a broken engine
                     done.set_exception(exc)
                     continue
@@ -101,10 +103,10 @@ class DialogWorker:
                 entry.version = version
             case StartReply(reply=reply):
                 engine.start_reply(sid)
-                entry.reply, entry.reported = reply, 0
+                entry.reply, entry.last_reply, entry.reported = reply, reply, 0
             case InterruptReply(reply=reply, heard_tokens=heard):
-                if entry.reply == reply:
-                    engine.interrupt(sid, heard)
+                if entry.last_reply == reply:
+                    engine.interrupt(sid, heard)  # also cuts a reply whose generation has finished
                     entry.reply = None
 
     def _dispatch(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from difflib import SequenceMatcher
 from enum import Enum
 
 from duplexd.asr.endpoint import Endpointer
@@ -93,6 +94,27 @@ def _norm(word: str) -> str:
     return _NORMALIZE.sub("", word.lower()).strip("-'")
 
 
+def echo_score(heard: str, reply: str) -> float:
+    """How well `heard` matches some stretch of `reply` (0..1, character similarity of the best span of
+    about its length): words the microphone picked up from the loudspeaker match the reply even where
+    Whisper misheard them ("she hid your dux" for "she had your dog": 0.81), speech of the user's own
+    does not (0.3-0.56 measured on the clips against such replies)."""
+    words = reply.split()
+    n, best = len(heard), 0.0
+    for i in range(len(words)):
+        span = ""
+        for w in words[i:]:
+            span = f"{span} {w}" if span else w
+            if len(span) > 1.5 * n + 3:
+                break
+            if len(span) < 0.5 * n - 3:
+                continue
+            m = SequenceMatcher(None, heard, span, autojunk=False)
+            if m.real_quick_ratio() > best and m.quick_ratio() > best:
+                best = max(best, m.ratio())
+    return best
+
+
 class Phase(Enum):
     LISTENING = "listening"
     REPLYING = "replying"  # from the end of the user's turn until the reply has been played (or stopped)
@@ -119,6 +141,9 @@ class _Reply:
 
     def words(self) -> set[str]:
         return {_norm(w) for w in self.text.split()}
+
+    def normalized(self) -> str:
+        return " ".join(n for w in self.text.split() if (n := _norm(w)))
 
 
 class Conversation:
@@ -293,13 +318,12 @@ class Conversation:
         reply's own echo join their new turn."""
         r = self._reply
         assert r is not None
-        spoken = r.words()
         self._reply = None
         self.phase = Phase.LISTENING
         held, self._held = self._held, {}
         out: list[Output] = []
         for utt, (words, committed, final) in sorted(held.items()):
-            if final and self._ignorable(words, spoken):
+            if final and self._ignorable(words, r):
                 self._sent[utt] = len(words)
                 continue
             out.extend(self._send_words(utt, words[:committed]))
@@ -307,20 +331,30 @@ class Conversation:
 
     # --- barge-in ----------------------------------------------------------------------------------------
 
-    def _ignorable(self, words: tuple[Word, ...], spoken: set[str]) -> bool:
-        return all(_norm(w.text) in self._backchannels or _norm(w.text) in spoken or not _norm(w.text) for w in words)
+    def _meaningful(self, words: tuple[Word, ...], r: _Reply) -> list[Word]:
+        """The words of an utterance heard during reply `r` that count as the user talking: none if the
+        utterance is the reply's own echo; else those that are not backchannels nor words of the reply."""
+        heard = " ".join(n for w in words if (n := _norm(w.text)))
+        if not heard or echo_score(heard, r.normalized()) >= self._turn.echo_similarity:
+            return []
+        spoken = r.words()
+        return [w for w in words if (n := _norm(w.text)) and n not in self._backchannels and n not in spoken]
+
+    def _ignorable(self, words: tuple[Word, ...], r: _Reply) -> bool:
+        return not self._meaningful(words, r)
 
     def _maybe_barge_in(self) -> list[Output]:
         r = self._reply
         assert r is not None
-        spoken = r.words()
         committed = hypothesis = 0
-        for words, n_committed, _ in self._held.values():
-            for i, w in enumerate(words):
-                n = _norm(w.text)
-                if n and n not in self._backchannels and n not in spoken:
-                    hypothesis += 1
-                    committed += i < n_committed
+        for utt, (words, n_committed, final) in list(self._held.items()):
+            if final and self._ignorable(words, r):
+                del self._held[utt]  # a finished backchannel or echo: forget it
+                self._sent[utt] = len(words)
+                continue
+            meaningful = {id(w) for w in self._meaningful(words, r)}
+            committed += sum(1 for w in words[:n_committed] if id(w) in meaningful)
+            hypothesis += 0 if final else len(meaningful)
         if committed < self._turn.barge_in_words and hypothesis < self._turn.barge_in_partial_words:
             return []
         return self._interrupt("barge_in")

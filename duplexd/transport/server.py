@@ -88,7 +88,9 @@ class Server:
         self.vad = VadWorker(engines.vad, max_pending=4 * t.max_sessions)
         self.asr = AsrScheduler(engines.asr)
         self.asr_name = engines.asr.name
-        self.dialog = DialogWorker(engines.dialog) if engines.dialog and engines.tts else None
+        self.dialog = (
+            DialogWorker(engines.dialog, config.dialog.system_prompt) if engines.dialog and engines.tts else None
+        )
         self.tts = TtsWorker(engines.tts) if engines.dialog and engines.tts else None
         self.sessions: dict[str, Session] = {}
         self.counters = {"connections": 0, "sessions": 0, "protocol_errors": 0, "refused": 0}

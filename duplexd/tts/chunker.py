@@ -2,7 +2,9 @@
 
 The first piece is cut early (a clause end, or after `first_words` words) so speech starts on the first
 few words of a reply instead of its first full sentence; later pieces end at sentence or clause
-punctuation (or after `max_words`), which is where a synthesizer's prosody wants them cut.
+punctuation, which is where a synthesizer's prosody wants them cut, or at a word limit that doubles
+from piece to piece up to `max_words` (so the audio of the short first pieces does not run out while a
+long clause is still being generated).
 """
 
 from __future__ import annotations
@@ -42,12 +44,11 @@ class TextChunker:
         text = self._pending
         spans = [m.span() for m in re.finditer(r"\S+(?=\s)", text)]
         wanted = self.first_words if self._pieces == 0 else self.min_words
+        limit = min(self.max_words, self.first_words << self._pieces)
         for i, (_, end) in enumerate(spans):
             n = i + 1
             at_clause = _CLAUSE_END.search(text[:end]) is not None
-            if (at_clause and (self._pieces == 0 or n >= wanted)) or n >= (
-                wanted if self._pieces == 0 else self.max_words
-            ):
+            if (at_clause and (self._pieces == 0 or n >= wanted)) or n >= limit:
                 piece, self._pending = text[:end].strip(), text[end:]
                 self._pieces += 1
                 return piece or None

@@ -71,7 +71,7 @@ class PiperTts:
         parts = [c.audio_float_array for c in self._voice.synthesize(text, self._syn)]
         audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         if self._rate != OUTPUT_SAMPLE_RATE and len(audio):
-            audio = soxr.resample(audio, self._rate, OUTPUT_SAMPLE_RATE)
+            audio = np.clip(soxr.resample(audio, self._rate, OUTPUT_SAMPLE_RATE), -1.0, 1.0)  # resampling overshoots
         return audio.astype(np.float32, copy=False)
 
 

@@ -245,3 +245,23 @@ def test_context_tokens_are_the_resident_conversation(smol) -> None:
     everything = engine.tokenizer.encode(ChatFormat.from_tokenizer(engine.tokenizer, "Be brief.").system)
     everything += engine.tokenizer.encode(engine.format.user_open + "Hello there, how are you today?" * 6)
     assert context == everything[:4] + everything[4 - resident :]  # the sinks and the window
+
+
+@torch.inference_mode()
+def test_interrupt_cuts_a_finished_reply_too(smol) -> None:
+    heard = 4
+    engine = make_engine(smol, max_sessions=1, max_reply_tokens=24)
+    sid, said = ask(engine, QUESTIONS[1])
+    assert not engine.replying(sid) and len(said) > heard
+    engine.interrupt(sid, heard_tokens=heard)  # its audio was still playing when the user spoke
+    run_until_idle(engine)
+    assert engine.reply_tokens(sid) == said[:heard]
+    control_engine = make_engine(smol, max_sessions=1, max_reply_tokens=heard)
+    control, _ = ask(control_engine, QUESTIONS[1])
+    assert engine.context_tokens(sid) == control_engine.context_tokens(control)
+    # Once the user's next words are in, the reply can no longer be cut.
+    engine.append_user_text(sid, "Thanks.")
+    before = engine.context_tokens(sid)
+    engine.interrupt(sid, heard_tokens=1)
+    run_until_idle(engine)
+    assert engine.context_tokens(sid)[: len(before)] == before and engine.reply_tokens(sid) == said[:heard]

@@ -11,15 +11,19 @@ import pytest
 
 from duplexd.bench import scenarios as sc
 from duplexd.clients.converse import ConversationResult, converse_pcm
-from duplexd.config import ServerConfig
+from duplexd.config import ServerConfig, TtsConfig
 
 pytestmark = pytest.mark.slow
 
-# A reply long enough to talk over (SmolLM2-135M otherwise often answers in a few words).
-STORYTELLER = dataclasses.replace(
-    ServerConfig().dialog,
-    system_prompt="You are a storyteller. Answer every message with a long story of at least six sentences.",
-    max_reply_tokens=120,
+# A reply long enough to talk over: SmolLM2-135M often just repeats a statement back (a few seconds of
+# speech, over before a talk-over is recognized), so ask for stories and have them told slowly.
+STORYTELLER = ServerConfig(
+    dialog=dataclasses.replace(
+        ServerConfig().dialog,
+        system_prompt="You are a storyteller. Answer every message with a long story of at least six sentences.",
+        max_reply_tokens=120,
+    ),
+    tts=TtsConfig(speed=0.5),
 )
 
 
@@ -28,8 +32,18 @@ def kinds(result: ConversationResult) -> list[str]:
 
 
 def first(result: ConversationResult, kind: str) -> dict:
-    (found,) = [r.event for r in result.events if r.event["type"] == kind][:1]
-    return found
+    found = [r.event for r in result.events if r.event["type"] == kind]
+    assert found, f"no {kind} in {story(result)}"
+    return found[0]
+
+
+def story(result: ConversationResult) -> list[str]:
+    """The conversation in short, for failure messages."""
+    return [
+        f"{r.t - result.started_at:.2f} {r.event['type']} {r.event.get('text', '')}".strip()
+        for r in result.events
+        if r.event["type"] not in ("frame.ack", "reply.delta")
+    ]
 
 
 async def test_a_question_gets_a_spoken_reply(make_server, clip_by_name) -> None:
@@ -71,16 +85,16 @@ async def test_a_mid_sentence_pause_does_not_end_the_turn(make_server, clip_by_n
 
 
 async def test_talking_over_the_reply_interrupts_it(make_server, clip_by_name) -> None:
-    srv = await make_server(ServerConfig(dialog=STORYTELLER))
+    srv = await make_server(STORYTELLER)
     question = np.concatenate([sc.silence(0.5), sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)])
-    talk_over = sc.During(sc.load(clip_by_name["clip16_sb_example1.wav"].path), after_s=1.0)
+    talk_over = sc.During(sc.load(clip_by_name["clip16_sb_example1.wav"].path), after_s=0.0)
     contexts: list[str] = []
 
     def until(events) -> bool:
-        interrupted = [r for r in events if r.event["type"] == "reply.interrupted"]
-        if not interrupted or time.monotonic() - interrupted[0].t < 1.0:
+        turns = [r for r in events if r.event["type"] == "turn.ended"]
+        if len(turns) < 2 or time.monotonic() - turns[1].t < 0.5:  # (the worker applies the words)
             return False
-        if not contexts:  # the LLM's view of the conversation, once the interruption is applied
+        if not contexts:  # the LLM's view of the conversation once the talk-over has become turn 2
             engine = srv.server.dialog.engine
             (sid,) = engine._sessions
             contexts.append(engine.tokenizer.decode(engine.context_tokens(sid)))
@@ -90,24 +104,26 @@ async def test_talking_over_the_reply_interrupts_it(make_server, clip_by_name) -
     assert talk_over.said_at is not None
     stop = first(result, "reply.interrupted")
     assert stop["reason"] == "barge_in" and stop["reply"] == 1
-    assert "reply.done" not in kinds(result)
+    seen = kinds(result)
+    assert "reply.done" not in seen[seen.index("reply.interrupted") :]  # (all its audio may have been sent)
     full = "".join(r.event["text"] for r in result.of_type("reply.delta"))
     heard = stop["heard_text"]
     assert full.startswith(heard) and len(heard) < len(full)
     sent_ms = len(result.reply_audio(1)) / 24
-    assert 0 < stop["heard_ms"] < sent_ms  # it stopped mid-reply, and only what was played counts
+    assert 0 < stop["heard_ms"] <= sent_ms  # only what was played counts (it may have played all sent so far)
     # The assistant turn in the LLM's context holds exactly the heard part, then the user's new words.
     (context,) = contexts
-    assistant = context.split("<|im_start|>assistant\n")[-1]
-    said, _, after = assistant.partition("<|im_end|>")
+    first_reply = context.split("<|im_start|>assistant\n")[1]
+    said, _, after = first_reply.partition("<|im_end|>")
     assert said.strip() == heard.strip()
-    assert "<|im_start|>user" in after
+    next_user = after.partition("<|im_start|>user\n")[2].partition("<|im_end|>")[0]
+    assert "canoe" in next_user.lower(), context
     # The talk-over became the user's next turn.
     assert any("canoe" in r.event["text"].lower() for r in result.of_type("transcript.partial"))
 
 
 async def test_a_backchannel_does_not_interrupt(make_server, clip_by_name) -> None:
-    srv = await make_server(ServerConfig(dialog=STORYTELLER))
+    srv = await make_server(STORYTELLER)
     question = np.concatenate([sc.silence(0.5), sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)])
     speech_dir = clip_by_name["clip22_deepspeech_new_home.wav"].path.parent
     okay = sc.During(sc.backchannel(speech_dir), after_s=0.5)

@@ -136,14 +136,15 @@ def test_barge_in_cuts_the_context_to_what_was_heard() -> None:
     out = stream_reply(conv, reply, "Paris is the capital of France. It is a big city.")
     voice_all(conv, reply, out)
     conv.played(int(1.5 * SR))  # all of "Paris is the" and half of "capital of France."
-    out = conv.observe([TranscriptUpdated(2, words("wait no"), 1)])
+    assert conv.observe([TranscriptUpdated(2, words("wait"), 1)]) == []  # one word is a blip
+    out = conv.observe([TranscriptUpdated(2, words("wait no"), 2)])
     (stop,) = of(out, cv.InterruptReply)
     (told,) = of(out, ReplyInterrupted)
     assert told.heard_ms == 1500 and told.reason == "barge_in"
     assert told.heard_text == "Paris is the capital"  # cut back to a word boundary
     assert stop.heard_tokens == 4
     assert of(out, cv.StopAudio) == [cv.StopAudio(reply)]
-    assert [a.text for a in of(out, cv.AppendUserText)] == ["wait"]  # starts the user's next turn
+    assert [a.text for a in of(out, cv.AppendUserText)] == ["wait no"]  # starts the user's next turn
     assert not conv.replying
 
 
@@ -175,11 +176,11 @@ def test_words_after_the_reply_join_the_next_turn() -> None:
     out = stream_reply(conv, reply, "Paris.")
     voice_all(conv, reply, out)
     conv.audio_sent(reply)
-    assert conv.observe([TranscriptUpdated(2, words("yeah and Berlin"), 1)]) == []  # "yeah": not yet
+    assert conv.observe([TranscriptUpdated(2, words("yeah Berlin"), 1)]) == []  # one new word: not yet
     out = conv.played(10 * SR)
     assert [a.text for a in of(out, cv.AppendUserText)] == ["yeah"]
-    out = conv.observe([UtteranceFinalized(2, words("yeah and Berlin?"))])
-    assert [a.text for a in of(out, cv.AppendUserText)] == [" and Berlin?"]
+    out = conv.observe([UtteranceFinalized(2, words("yeah Berlin?"))])
+    assert [a.text for a in of(out, cv.AppendUserText)] == [" Berlin?"]
 
 
 def test_cancel_without_a_reply_is_a_no_op_and_with_one_interrupts() -> None:
@@ -222,6 +223,26 @@ def test_a_long_enough_hypothesis_interrupts_before_words_commit() -> None:
     conv = new()
     reply = start_reply(conv)
     voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
-    assert conv.observe([TranscriptUpdated(2, words("no that is"), 0)]) == []  # "is": the reply's own word
-    out = conv.observe([TranscriptUpdated(2, words("no that is wrong"), 0)])
+    assert conv.observe([TranscriptUpdated(2, words("no is"), 0)]) == []  # "is": the reply's own word
+    out = conv.observe([TranscriptUpdated(2, words("no that is"), 0)])
     assert of(out, ReplyInterrupted)
+
+
+def test_misheard_echo_of_the_reply_does_not_interrupt() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "She had your dog suit and greasy wash water all year."))
+    # What Whisper made of the loudspeaker: near-misses of the reply's words.
+    assert conv.observe([TranscriptUpdated(2, words("See? Dux greasie watter"), 0)]) == []  # 0.62 like it
+    assert conv.observe([UtteranceFinalized(2, words("She hid your dux"))]) == []
+    out = conv.observe([TranscriptUpdated(3, words("stop talking please"), 0)])
+    assert of(out, ReplyInterrupted)
+
+
+def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
+    reply = "she had your dog suit and greasy wash water all year"
+    for heard in ("she hid your dux", "dog suit and greasy wash water", "see dux greasie watter"):
+        assert cv.echo_score(heard, reply) >= 0.6, heard
+    for heard in ("stop talking please", "wait no", "what about mars", "the birch canoe slid"):
+        assert cv.echo_score(heard, reply) < 0.6, heard
+    assert cv.echo_score("anything", "") == 0.0
