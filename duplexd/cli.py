@@ -44,7 +44,29 @@ def load_engines(config: ServerConfig):
         config.dialog.model if dialog else "off",
         tts.name if tts else "off",
     )
-    return Engines(vad, asr, dialog, tts)
+    engines = Engines(vad, asr, dialog, tts)
+    warm_up(engines)
+    return engines
+
+
+def warm_up(engines) -> None:
+    """One small run through every model, so the first user does not pay for lazy initialization (the
+    first ASR pass, LLM step and synthesis each took seconds longer than later ones)."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    engines.asr.transcribe((0.01 * rng.standard_normal(16_000)).astype(np.float32), "")
+    if engines.dialog is not None:
+        sid = engines.dialog.open()
+        engines.dialog.append_user_text(sid, "Hello.")
+        engines.dialog.start_reply(sid)
+        for _ in range(4):
+            engines.dialog.step()
+        engines.dialog.close(sid)
+    if engines.tts is not None:
+        engines.tts.synthesize("Hello.")
+    log.info("engines warmed up in %.1fs", time.perf_counter() - t0)
 
 
 async def serve(config: ServerConfig) -> None:

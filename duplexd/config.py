@@ -184,7 +184,7 @@ class TurnConfig:
     p_incomplete: float = 0.001
     barge_in_words: int = 2
     """Committed words (not backchannels, not the reply's own echo) that interrupt the reply ..."""
-    barge_in_partial_words: int = 2
+    barge_in_partial_words: int = 3
     """... or as many words of the recognizer's latest (not yet committed) hypothesis."""
     echo_similarity: float = 0.6
     """Speech heard during a reply that matches a stretch of the reply this well (0..1) is its own echo."""
@@ -216,7 +216,7 @@ class TtsConfig:
     """`hibari` (default, in the package) or `piper` (`pip install 'duplexd[piper]'`)."""
     speed: float = 1.0
     threads: int = 1
-    first_words: int = 3
+    first_words: int = 2
     """The first piece of a reply goes to TTS after this many words (or an earlier clause end)."""
     max_words: int = 24
 

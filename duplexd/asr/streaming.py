@@ -162,6 +162,11 @@ class StreamingTranscriber:
         """Stream time of the oldest audio not yet covered by a pass (for fair scheduling)."""
         return self._decoded_until / ASR_SAMPLE_RATE
 
+    @property
+    def final_due(self) -> bool:
+        """The open utterance's end of speech is known: its next pass is (or covers) the final one."""
+        return self._final_end is not None
+
     def wants_pass(self) -> bool:
         if not self._active or self._in_flight:
             return False

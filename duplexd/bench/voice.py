@@ -12,6 +12,9 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
   false barge-in.
 - echo: the reply's own audio leaks back into the microphone at -6 dB (no echo cancellation); any
   interruption is a false barge-in.
+- talk-over: another clip said as soon as the reply's audio starts; the time from its start to
+  `reply.interrupted` is the barge-in latency (a reply that ends before the words are recognized is
+  not interrupted, and counts against the barge-in rate).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class Run:
     eos_to_first_audio_s: float | None
     reply_text: str
     reply_audio_s: float
+    barge_in_s: float | None = None  # talk-over: from the start of the talk-over to reply.interrupted
+    heard_over_reply: str = ""  # what the recognizer made of speech during the reply (last hypotheses)
 
 
 def _first_at(result: ConversationResult, kind: str) -> float | None:
@@ -67,6 +72,11 @@ def _measure(scenario: str, clip: Clip, result: ConversationResult, eos_s: float
     turn = _first_at(result, "turn.ended")
     token = _first_at(result, "reply.delta")
     audio = result.audio[0].t if result.audio else None
+    started = _first_at(result, "reply.started") or float("inf")
+    over: dict[int, str] = {}
+    for r in result.events:
+        if r.t > started and r.event["type"] in ("transcript.partial", "transcript.final"):
+            over[r.event["utterance"]] = r.event["text"]
     return Run(
         scenario=scenario,
         clip=clip.path.name,
@@ -79,6 +89,7 @@ def _measure(scenario: str, clip: Clip, result: ConversationResult, eos_s: float
         eos_to_first_audio_s=None if audio is None else round(audio - eos_wall, 3),
         reply_text="".join(r.event["text"] for r in result.of_type("reply.delta")),
         reply_audio_s=round(sum(len(a.samples) for a in result.audio) / 24_000, 3),
+        heard_over_reply=" | ".join(over.values()),
     )
 
 
@@ -111,6 +122,17 @@ async def _conversations(url: str, clips: list[Clip], quick: bool) -> list[Run]:
             )
             runs.append(_measure(scenario, clip, result, sc.speech_end_s(audio), None))
             print(f"  {scenario} {clip.path.name}: interrupted={runs[-1].interrupted}", flush=True)
+    talk = sc.load(speech_dir / "clip16_sb_example1.wav")
+    for clip in questions[: max(1, len(questions) // 3)]:
+        audio = np.concatenate([lead, sc.load(clip.path)])
+        inject = sc.During(talk, after_s=0.0)
+        result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject)
+        run = _measure("talk_over", clip, result, sc.speech_end_s(audio), None)
+        stops = result.of_type("reply.interrupted")
+        if stops and inject.said_at is not None:
+            run.barge_in_s = round(stops[0].t - inject.said_at, 3)
+        runs.append(run)
+        print(f"  talk-over {clip.path.name}: interrupted={run.interrupted} after {run.barge_in_s}", flush=True)
     return runs
 
 
@@ -127,6 +149,8 @@ def run(data: Path | None, config: Path | None, quick: bool) -> dict[str, Any]:
     questions = [r for r in runs if r.scenario == "question"]
     turn_taking = [r for r in runs if r.scenario in ("question", "pause")]
     overlapped = [r for r in runs if r.scenario in ("backchannel", "echo")]
+    talk_over = [r for r in runs if r.scenario == "talk_over"]
+    barge_in = _stats([r.barge_in_s for r in talk_over])
     first_token = _stats([r.eos_to_first_token_s for r in questions])
     first_audio = _stats([r.eos_to_first_audio_s for r in questions])
     turn_end = _stats([r.eos_to_turn_end_s for r in questions])
@@ -144,11 +168,14 @@ def run(data: Path | None, config: Path | None, quick: bool) -> dict[str, Any]:
         "tts_rtf": tts.get("rtf"),
         "premature_endpoint_rate": sum(r.premature for r in turn_taking) / max(1, len(turn_taking)),
         "false_barge_in_rate": sum(r.interrupted for r in overlapped) / max(1, len(overlapped)),
+        "barge_in_rate": sum(r.interrupted for r in talk_over) / max(1, len(talk_over)),
+        "barge_in_latency_p50_s": barge_in["p50"],
         "counts": {
             "question": len(questions),
             "pause": sum(r.scenario == "pause" for r in runs),
             "backchannel": sum(r.scenario == "backchannel" for r in runs),
             "echo": sum(r.scenario == "echo" for r in runs),
+            "talk_over": len(talk_over),
         },
         "server": {k: server.get(k) for k in ("asr", "llm", "tts", "models")},
         "runs": [asdict(r) for r in runs],
@@ -172,6 +199,8 @@ def table(result: dict[str, Any]) -> str:
         f"TTS real-time factor: {result['tts_rtf']}",
         f"premature endpoints: {result['premature_endpoint_rate']:.1%} of {c['question'] + c['pause']} turns",
         f"false barge-ins: {result['false_barge_in_rate']:.1%} of {c['backchannel'] + c['echo']} overlapped replies",
+        f"talk-overs that interrupted: {result['barge_in_rate']:.1%} of {c['talk_over']}, "
+        f"p50 {s(result['barge_in_latency_p50_s'])} after the talk-over began",
     ]
     return "\n".join(lines)
 

@@ -133,7 +133,17 @@ class Session:
 
     # ASR scheduling, delegated to the transcriber.
     def wants_pass(self) -> bool:
-        return self.transcriber.wants_pass()
+        """A pass is due, except in the first moments of a pause: a partial pass started there would stop
+        just short of the end of speech (which VAD reports `speech_pad_ms` after the silence began), and
+        the final pass would then wait for it and run after it. Held until the silence is longer than the
+        pad, the pass covers the end of speech and becomes the final (the transcriber's covered rule):
+        one pass after the user stops instead of up to two."""
+        if not self.transcriber.wants_pass():
+            return False
+        if self.transcriber.final_due:
+            return True
+        hold_ms = self._config.vad.speech_pad_ms + 100
+        return not 64 <= self.silence_ms < hold_ms
 
     def pending_since_s(self) -> float:
         return self.transcriber.pending_since_s()

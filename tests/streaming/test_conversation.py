@@ -223,8 +223,8 @@ def test_a_long_enough_hypothesis_interrupts_before_words_commit() -> None:
     conv = new()
     reply = start_reply(conv)
     voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
-    assert conv.observe([TranscriptUpdated(2, words("no is"), 0)]) == []  # "is": the reply's own word
-    out = conv.observe([TranscriptUpdated(2, words("no that is"), 0)])
+    assert conv.observe([TranscriptUpdated(2, words("no that is"), 0)]) == []  # "is": the reply's own word
+    out = conv.observe([TranscriptUpdated(2, words("no that is wrong"), 0)])
     assert of(out, ReplyInterrupted)
 
 
