@@ -57,11 +57,14 @@ class _Player:
     """A real-time player: starts after JITTER_S of audio, then consumes samples at wall-clock rate."""
 
     def __init__(self) -> None:
-        self.received = 0
         self.played = 0
-        self.audio: list[np.ndarray] = []  # everything received, for the echo of what is played
+        self.pcm = bytearray()  # everything received (PCM16), for the echo of what is played
         self._echo_from = 0
         self._clock: float | None = None  # when `played` was last advanced, while playing
+
+    @property
+    def received(self) -> int:
+        return len(self.pcm) // 2
 
     def advance(self, now: float) -> int:
         if self._clock is None:
@@ -85,7 +88,7 @@ class _Player:
         self._echo_from = end
         if end <= start:
             return np.zeros(n_out, np.float32)
-        stream = np.concatenate(self.audio)[start:end].astype(np.float32) / 32768.0
+        stream = np.frombuffer(self.pcm, "<i2")[start:end].astype(np.float32) / 32768.0
         x = np.linspace(0, len(stream) - 1, num=max(1, round(len(stream) * out_rate / OUTPUT_RATE)))
         out = np.interp(x, np.arange(len(stream)), stream).astype(np.float32)
         return np.pad(out, (0, max(0, n_out - len(out))))[:n_out]
@@ -131,8 +134,7 @@ async def converse_pcm(
                     frame = parse_audio_out(raw)
                     samples = np.frombuffer(frame.pcm, "<i2")
                     result.audio.append(AudioIn(now, current[0], frame.seq, samples))
-                    player.received += len(samples)
-                    player.audio.append(samples)
+                    player.pcm += frame.pcm
                     continue
                 got = Received(now, json.loads(raw))
                 result.events.append(got)

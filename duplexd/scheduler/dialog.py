@@ -39,12 +39,32 @@ class _Entry:
     p_version: int = -1  # the version whose P(end of turn) was reported
 
 
+@dataclass(frozen=True, slots=True)
+class _Open:
+    client: DialogClient
+    done: asyncio.Future[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Close:
+    sid: int
+
+
+@dataclass(frozen=True, slots=True)
+class _ForSession:
+    sid: int
+    command: DialogCommand
+
+
+_Queued = _Open | _Close | _ForSession
+
+
 class DialogWorker:
     def __init__(self, engine: DialogEngine, system_prompt: str | None = None, max_commands: int = 4096) -> None:
         self.engine = engine
         self._system_prompt = system_prompt  # None: the engine's own
         self._entries: dict[int, _Entry] = {}
-        self._commands: deque[tuple[str, object]] = deque()
+        self._commands: deque[_Queued] = deque()
         self._max_commands = max_commands
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-llm")
@@ -53,47 +73,45 @@ class DialogWorker:
     def name(self) -> str:
         return str(self.engine.config.model)
 
-    def _queue(self, kind: str, payload: object) -> None:
+    def _queue(self, item: _Queued) -> None:
         if len(self._commands) >= self._max_commands:
             raise Overloaded("dialog command queue is full")
-        self._commands.append((kind, payload))
+        self._commands.append(item)
         self._wake.set()
 
     async def open(self, client: DialogClient) -> int:
         """A new conversation; raises `PoolFull` (an `Overloaded`) when every KV slot is taken."""
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._queue("open", (client, done))
+        self._queue(_Open(client, done))
         return await done
 
     def submit(self, sid: int, command: DialogCommand) -> None:
-        self._queue("command", (sid, command))
+        self._queue(_ForSession(sid, command))
 
     def close(self, sid: int) -> None:
-        self._queue("close", sid)
+        self._queue(_Close(sid))
 
     def _apply(self) -> None:
         engine = self.engine
         while self._commands:
-            kind, payload = self._commands.popleft()
-            if kind == "open":
-                client, done = payload  # type: ignore[misc]
-                if done.cancelled():
-                    continue
-                try:
-                    sid = engine.open(self._system_prompt)
-                except Exception as exc:  # PoolFull, or a broken engine
-                    done.set_exception(exc)
-                    continue
-                self._entries[sid] = _Entry(client)
-                done.set_result(sid)
-            elif kind == "close":
-                if self._entries.pop(payload, None) is not None:  # type: ignore[call-overload]
-                    engine.close(payload)  # type: ignore[arg-type]
-            else:
-                sid, command = payload  # type: ignore[misc]
-                entry = self._entries.get(sid)
-                if entry is not None:
-                    self._command(sid, entry, command)
+            match self._commands.popleft():
+                case _Open(client=client, done=done):
+                    if done.cancelled():
+                        continue
+                    try:
+                        sid = engine.open(self._system_prompt)
+                    except Exception as exc:  # PoolFull, or a broken engine
+                        done.set_exception(exc)
+                        continue
+                    self._entries[sid] = _Entry(client)
+                    done.set_result(sid)
+                case _Close(sid=sid):
+                    if self._entries.pop(sid, None) is not None:
+                        engine.close(sid)
+                case _ForSession(sid=sid, command=command):
+                    entry = self._entries.get(sid)
+                    if entry is not None:
+                        self._command(sid, entry, command)
 
     def _command(self, sid: int, entry: _Entry, command: DialogCommand) -> None:
         engine = self.engine

@@ -12,7 +12,6 @@ import heapq
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,7 +40,6 @@ class TtsStats:
     pieces: int = 0
     busy_s: float = 0.0
     audio_s: float = 0.0
-    recent_rtf: deque[float] = field(default_factory=lambda: deque(maxlen=256))
 
 
 class TtsWorker:
@@ -85,8 +83,6 @@ class TtsWorker:
                 self.stats.pieces += 1
                 self.stats.busy_s += elapsed
                 self.stats.audio_s += len(audio) / OUTPUT_SAMPLE_RATE
-                if len(audio):
-                    self.stats.recent_rtf.append(elapsed / (len(audio) / OUTPUT_SAMPLE_RATE))
                 if job.key in self._cancelled:
                     continue
                 try:

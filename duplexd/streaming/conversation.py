@@ -152,7 +152,6 @@ class Conversation:
         self._tts = tts
         self._endpointer = Endpointer(turn)
         self._backchannels = turn.backchannel_words
-        self.phase = Phase.LISTENING
         self.turns = 0
         self._turn_words: list[str] = []  # the user's words of the current turn, as sent to the LLM
         self._sent: dict[int, int] = {}  # utterance -> words of it already sent to the LLM
@@ -201,8 +200,7 @@ class Conversation:
             return []
         text = " ".join(texts)
         self._turn_words.extend(texts)
-        self._versions += 1
-        self._p_end = None
+        self._versions += 1  # any P(end of turn) held is now for older text
         return [AppendUserText(text if len(self._turn_words) == len(texts) else " " + text, self._versions)]
 
     def p_end_of_turn(self, p: float, version: int) -> None:
@@ -214,7 +212,7 @@ class Conversation:
         """Called as time passes (each VAD batch, each ASR pass). `silence_ms`: since the last voiced audio
         (0 while speaking); `asr_settled`: no recognizer pass due or running for this session."""
         out: list[Output] = []
-        if self.phase is Phase.REPLYING:
+        if self._reply is not None:
             return out
         text = " ".join(self._turn_words)
         final = asr_settled and not self._open
@@ -224,9 +222,8 @@ class Conversation:
             eos_s = stream_s - silence_ms / 1000
             out.append(TurnEnded(self.turns, text, eos_s, silence_ms, p))
             self._turn_words = []
-            self._reply = _Reply(self.turns, self._last_utterance + 1)
-            self._reply.chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
-            self.phase = Phase.REPLYING
+            chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
+            self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker)
             out += [StartReply(self.turns), ReplyStarted(self.turns)]
         return out
 
@@ -319,7 +316,6 @@ class Conversation:
         r = self._reply
         assert r is not None
         self._reply = None
-        self.phase = Phase.LISTENING
         held, self._held = self._held, {}
         out: list[Output] = []
         for utt, (words, committed, final) in sorted(held.items()):
@@ -348,11 +344,11 @@ class Conversation:
         assert r is not None
         committed = hypothesis = 0
         for utt, (words, n_committed, final) in list(self._held.items()):
-            if final and self._ignorable(words, r):
+            meaningful = {id(w) for w in self._meaningful(words, r)}
+            if final and not meaningful:
                 del self._held[utt]  # a finished backchannel or echo: forget it
                 self._sent[utt] = len(words)
                 continue
-            meaningful = {id(w) for w in self._meaningful(words, r)}
             committed += sum(1 for w in words[:n_committed] if id(w) in meaningful)
             hypothesis += 0 if final else len(meaningful)
         if committed < self._turn.barge_in_words and hypothesis < self._turn.barge_in_partial_words:
@@ -368,6 +364,10 @@ class Conversation:
     @property
     def replying(self) -> bool:
         return self._reply is not None
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.REPLYING if self._reply is not None else Phase.LISTENING
 
     def _interrupt(self, reason: str) -> list[Output]:
         r = self._reply

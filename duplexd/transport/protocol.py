@@ -140,13 +140,20 @@ def _parse_start(msg: dict[str, Any], limits: Limits) -> SessionStart:
     return SessionStart(version=version, sample_rate=rate, dialog=dialog)
 
 
-def parse_binary(data: bytes, sample_rate: int, limits: Limits) -> AudioFrame:
+def _split_binary(data: bytes, expected: BinaryKind) -> tuple[int, bytes]:
+    """(seq, payload) of a binary message of kind `expected`, or a `bad_frame` error."""
     if len(data) < BINARY_HEADER.size:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"binary message shorter than its {BINARY_HEADER.size}-byte header")
     kind, seq = BINARY_HEADER.unpack_from(data)
-    if kind != BinaryKind.AUDIO_IN:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"unknown binary message kind {kind}")
-    pcm = data[BINARY_HEADER.size :]
+    if kind != expected:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"binary message kind {kind}, expected {int(expected)} ({expected.name})"
+        )
+    return seq, data[BINARY_HEADER.size :]
+
+
+def parse_binary(data: bytes, sample_rate: int, limits: Limits) -> AudioFrame:
+    seq, pcm = _split_binary(data, BinaryKind.AUDIO_IN)
     if not pcm or len(pcm) % 2:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"audio payload of {len(pcm)} bytes is not whole PCM16 samples")
     max_samples = sample_rate * limits.max_frame_ms // 1000
@@ -164,12 +171,8 @@ def encode_audio_frame(seq: int, pcm: bytes, kind: BinaryKind = BinaryKind.AUDIO
 
 def parse_audio_out(data: bytes) -> AudioFrame:
     """A server's reply-audio frame (for clients)."""
-    if len(data) < BINARY_HEADER.size:
-        raise ProtocolError(ErrorCode.BAD_FRAME, "binary message shorter than its header")
-    kind, seq = BINARY_HEADER.unpack_from(data)
-    if kind != BinaryKind.AUDIO_OUT:
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"not an audio-out frame (kind {kind})")
-    return AudioFrame(seq=seq, pcm=bytes(data[BINARY_HEADER.size :]))
+    seq, pcm = _split_binary(data, BinaryKind.AUDIO_OUT)
+    return AudioFrame(seq=seq, pcm=bytes(pcm))
 
 
 def _words(words: tuple[ev.Word, ...]) -> list[dict[str, Any]]:

@@ -269,8 +269,8 @@ class _Connection:
             if self.dialog_sid is not None and server.dialog is not None:
                 server.dialog.close(self.dialog_sid)
             if self.conversation is not None and server.tts is not None:
-                for reply in range(1, self.conversation.turns + 1):
-                    server.tts.cancel((self.session.id, reply))
+                # Only the latest reply can have pieces queued: earlier ones were voiced or stopped.
+                server.tts.cancel((self.session.id, self.conversation.turns))
             self.session = None
             self.conversation = None
             self.dialog_sid = None
