@@ -166,4 +166,10 @@ class DialogWorker:
                     await asyncio.sleep(0.1)
 
     def close_worker(self) -> None:
+        """Stop: wait out a step in flight, then free every conversation's KV slot (the engine may outlive
+        this worker, as it does when one process runs servers one after another)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        for sid in self._entries:
+            self.engine.close(sid)
+        self._entries.clear()
+        self._commands.clear()
