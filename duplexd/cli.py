@@ -153,6 +153,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from duplexd.bench import voice as bench_voice
 
         return bench_voice.main(args)
+    if args.what == "speculation":
+        from duplexd.bench import speculation as bench_speculation
+
+        return bench_speculation.main(args)
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -238,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stream)
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
-    p.add_argument("what", choices=["asr", "llm", "voice"])
+    p.add_argument("what", choices=["asr", "llm", "voice", "speculation"])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"

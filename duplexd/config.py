@@ -174,6 +174,10 @@ class DialogConfig:
 class TurnConfig:
     """Turn taking (`[turn]`): when the user's turn is over, and what counts as talking over the reply."""
 
+    pause_ms: int = 200
+    """A pause: after this much silence the recognizer finalizes what was said (one pass over the audio up
+    to there; the end of the turn then needs no further pass) and replies are drafted (`[speculation]`).
+    Speech that resumes opens a new utterance. 0: finalize only when VAD reports the end of speech."""
     min_silence_ms: int = 250
     """Silence that ends a turn the LLM finds complete (P(end of turn) >= p_complete)."""
     max_silence_ms: int = 1200
@@ -192,6 +196,7 @@ class TurnConfig:
     """Words that never interrupt (comma-separated, matched case- and punctuation-insensitively)."""
 
     def __post_init__(self) -> None:
+        _require(self.pause_ms >= 0, "turn.pause_ms", self.pause_ms, ">= 0")
         _require(self.min_silence_ms >= 0, "turn.min_silence_ms", self.min_silence_ms, ">= 0")
         _require(
             self.max_silence_ms >= self.min_silence_ms, "turn.max_silence_ms", self.max_silence_ms, ">= min_silence_ms"
@@ -229,6 +234,25 @@ class TtsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculationConfig:
+    """Speculative listening (`[speculation]`): draft the reply while the user pauses, use it if they said
+    exactly what the draft assumed (lossless: the reply is token for token the one made without it)."""
+
+    enabled: bool = True
+    draft_tokens: int = 16
+    """Reply tokens a draft runs ahead (enough for the first spoken piece; more is wasted on a miss)."""
+    drafts_per_session: int = 2
+    """The words heard so far, and the most likely other ending (the last unsure word left out)."""
+    max_drafts: int = 8
+    """Drafts in the engine at once, across sessions (each holds a KV slot while it lives)."""
+
+    def __post_init__(self) -> None:
+        _require(self.draft_tokens >= 1, "speculation.draft_tokens", self.draft_tokens, ">= 1")
+        _require(self.drafts_per_session >= 1, "speculation.drafts_per_session", self.drafts_per_session, ">= 1")
+        _require(self.max_drafts >= 1, "speculation.max_drafts", self.max_drafts, ">= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     vad: VadConfig = field(default_factory=VadConfig)
@@ -236,6 +260,7 @@ class ServerConfig:
     dialog: DialogConfig = field(default_factory=DialogConfig)
     turn: TurnConfig = field(default_factory=TurnConfig)
     tts: TtsConfig = field(default_factory=TtsConfig)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
 
 def _coerce(value: str, kind: Any, name: str) -> Any:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -26,17 +28,26 @@ def health(port: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def server_process(config: Path | None = None, *, timeout_s: float = 120.0) -> Iterator[int]:
+def server_process(
+    config: Path | None = None, *, timeout_s: float = 120.0, settings: dict[str, str] | None = None
+) -> Iterator[int]:
+    """`settings`: `{"speculation.enabled": "false"}` and the like, on top of `config` (as environment)."""
     port = free_port()
     cmd = [sys.executable, "-m", "duplexd", "serve", "--port", str(port)]
     if config is not None:
         cmd += ["--config", str(config)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    for name, value in (settings or {}).items():
+        section, _, key = name.partition(".")
+        env[f"DUPLEXD_{section.upper()}__{key.upper()}"] = value
+    log = tempfile.TemporaryFile(mode="w+")  # (a pipe nobody reads would stall a chatty server)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"duplexd serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                log.seek(0)
+                raise RuntimeError(f"duplexd serve exited with {proc.returncode}: {log.read()[-2000:]}")
             try:
                 health(port)
                 break
@@ -51,3 +62,4 @@ def server_process(config: Path | None = None, *, timeout_s: float = 120.0) -> I
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()

@@ -10,11 +10,18 @@ so it is bounded by construction). The session core drives it with a small duple
     engine.step()                        # -> {sid: [new reply tokens]}
     engine.interrupt(sid, heard_tokens)  # barge-in: keep only what the user heard
     child = engine.fork(sid)             # a copy for drafts (speculative listening)
+    engine.state_key(sid)                # names the state the session will be in once its queue is in
+    engine.adopt(sid, child)             # the draft's state (and reply so far) becomes the session's
 
-A step packs, in priority order: one decode token for every replying session, then prefill chunks for
-replying sessions (the assistant header), then for listening sessions, then for drafts, within a token
-budget. Greedy decoding is deterministic and batch-invariant (see `model.py`), so a session's tokens are
-the same whether it shares its steps or runs alone.
+A step packs one decode token for every replying session, then prefill chunks (replying sessions first),
+within a token budget. Drafts (`Priority.DRAFT`) only get steps that have no other work: a draft never
+shares a step with, and so never slows, a real session.
+
+Lossless drafts. Greedy decoding is deterministic and batch-invariant (see `model.py`): a chunk's numbers
+depend only on its own tokens and the session's KV. Chunks are cut the same way however the queue filled
+up (never across the boundary of two `append_user_text` calls or before the assistant header), so a
+session's KV is a function of what it was given, in which pieces. `state_key` hashes exactly that; two
+sessions with the same key continue with the same tokens, bit for bit.
 
 The engine is not thread-safe: one worker thread owns it (the scheduler's LLM worker).
 """
@@ -156,6 +163,9 @@ class _Session:
     window: WindowState
     priority: Priority
     pending: deque[int] = field(default_factory=deque)
+    cuts: deque[int] = field(default_factory=deque)  # lengths of the pieces queued in `pending`, in order
+    key: int = 0  # hash of every chunk ingested so far (and every cut-back), in order
+    decode_limit: int | None = None  # a draft stops (is parked) after this many reply tokens
     user_open: bool = False
     replying: bool = False
     reply: list[int] = field(default_factory=list)
@@ -192,7 +202,15 @@ class DialogEngine:
         self._group = mc.n_heads // mc.n_kv_heads
         self._sessions: dict[int, _Session] = {}
         self._ids = itertools.count(1)
-        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "busy_s": 0.0}
+        self.stats = {
+            "steps": 0,
+            "decode_tokens": 0,
+            "prefill_tokens": 0,
+            "busy_s": 0.0,
+            "draft_steps": 0,
+            "draft_busy_s": 0.0,
+        }
+        self.last_schedule: list[tuple[int, Priority]] = []  # sessions with work at the last step
 
     @classmethod
     def load(cls, config: EngineConfig | None = None) -> DialogEngine:
@@ -219,7 +237,7 @@ class DialogEngine:
             if system_prompt is None
             else ChatFormat.from_tokenizer(self.tokenizer, system_prompt).system
         )
-        session.pending.extend(self.tokenizer.encode(system))
+        _queue(session, self.tokenizer.encode(system))
         self._sessions[session.id] = session
         return session.id
 
@@ -228,8 +246,10 @@ class DialogEngine:
         del self._sessions[sid]
         self.pool.release(session.slot)
 
-    def fork(self, sid: int, *, priority: Priority = Priority.DRAFT) -> int:
-        """A new session with a copy of `sid`'s state (KV rows, pending tokens, reply). Raises `PoolFull`."""
+    def fork(self, sid: int, *, priority: Priority = Priority.DRAFT, decode_limit: int | None = None) -> int:
+        """A new session with a copy of `sid`'s state (KV rows, pending tokens, reply). Raises `PoolFull`.
+
+        A `decode_limit` parks the copy after that many reply tokens (a bounded draft)."""
         parent = self._get(sid)
         slot = self.pool.allocate()
         self.pool.copy(parent.slot, slot, parent.window.used)
@@ -239,6 +259,9 @@ class DialogEngine:
             parent.window.copy(),
             priority,
             pending=deque(parent.pending),
+            cuts=deque(parent.cuts),
+            key=parent.key,
+            decode_limit=decode_limit,
             user_open=parent.user_open,
             replying=parent.replying,
             reply=list(parent.reply),
@@ -248,6 +271,32 @@ class DialogEngine:
         )
         self._sessions[child.id] = child
         return child.id
+
+    def adopt(self, sid: int, draft: int) -> None:
+        """Session `sid` continues from `draft`'s state: its KV, queue and reply so far (the caller checked
+        that the draft forked from `sid` and that their `state_key`s matched). `draft` is gone after."""
+        parent, child = self._get(sid), self._get(draft)
+        if draft == sid:
+            raise ValueError("a session cannot adopt itself")
+        del self._sessions[draft]
+        self.pool.release(parent.slot)
+        child.id, child.priority, child.served, child.decode_limit = sid, parent.priority, parent.served, None
+        self._sessions[sid] = child
+
+    def state_key(self, sid: int) -> int:
+        """The session's state once everything queued is ingested: equal keys, equal KV, equal tokens next."""
+        session = self._get(sid)
+        key, at = session.key, 0
+        for cut in session.cuts:
+            for n in _chunks(cut, self.config.prefill_chunk):
+                key = _chain(key, tuple(itertools.islice(session.pending, at, at + n)))
+                at += n
+        return hash((key, session.user_open, session.replying))
+
+    def parked(self, sid: int) -> bool:
+        """A draft that reached its decode limit (or finished its reply) and waits to be adopted or freed."""
+        session = self._get(sid)
+        return session.decode_limit is not None and (not session.replying or len(session.reply) >= session.decode_limit)
 
     @property
     def sessions(self) -> int:
@@ -277,7 +326,12 @@ class DialogEngine:
         return list(self._get(sid).reply)
 
     def busy(self) -> bool:
-        return any(s.pending for s in self._sessions.values())
+        return any(self._has_work(s) for s in self._sessions.values())
+
+    def _has_work(self, s: _Session) -> bool:
+        if not s.pending:
+            return False
+        return s.decode_limit is None or not (s.replying and s.reply and len(s.reply) >= s.decode_limit)
 
     # --- the duplex API -------------------------------------------------------------------------------
 
@@ -294,7 +348,7 @@ class DialogEngine:
         if not session.user_open:
             ids = self.tokenizer.encode(self.format.user_open) + ids
             session.user_open = True
-        session.pending.extend(ids)
+        _queue(session, ids)
         session.p_end_of_turn = None
 
     def p_end_of_turn(self, sid: int) -> float | None:
@@ -308,8 +362,8 @@ class DialogEngine:
         if session.replying:
             return
         if not session.user_open:
-            session.pending.extend(self.tokenizer.encode(self.format.user_open))
-        session.pending.extend(self.tokenizer.encode(self.format.user_close))
+            _queue(session, self.tokenizer.encode(self.format.user_open))
+        _queue(session, self.tokenizer.encode(self.format.user_close))
         session.user_open = False
         session.replying = True
         session.reply = []
@@ -339,10 +393,14 @@ class DialogEngine:
         if ingested > heard:
             session.window.truncate(session.reply_start + heard)
             session.pending.clear()
+            session.cuts.clear()
+            session.key = _chain(session.key, ("cut", session.reply_start + heard))
             while session.log and session.log[-1][0] >= session.reply_start + heard:
                 session.log.pop()
         elif ingested >= 0:  # (< 0: the assistant header is still prefilling; the reply stays empty)
-            session.pending = deque(session.reply[ingested:heard])
+            session.pending.clear()
+            session.cuts.clear()
+            _queue(session, session.reply[ingested:heard])
         del session.reply[heard:]
         self._finish_reply(session)
 
@@ -372,6 +430,11 @@ class DialogEngine:
             for i, token in enumerate(w.tokens):
                 w.session.pending.popleft()
                 w.session.log.append((first + i, token))
+            w.session.key = _chain(w.session.key, tuple(w.tokens))
+            if w.session.cuts[0] == len(w.tokens):
+                w.session.cuts.popleft()
+            else:
+                w.session.cuts[0] -= len(w.tokens)
             while len(w.session.log) > self.config.window.capacity:  # keep the sinks, drop the oldest after
                 del w.session.log[self.config.window.sink_tokens]
             if w.wants_logits:
@@ -381,22 +444,28 @@ class DialogEngine:
                     out[w.session.id] = [new]
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
+        if all(w.session.priority is Priority.DRAFT for w in work):
+            self.stats["draft_busy_s"] += time.perf_counter() - t0
         return out
 
     def _schedule(self) -> list[_Work]:
         budget = self.config.step_token_budget
         work: list[_Work] = []
-        decode = [s for s in self._sessions.values() if s.replying and len(s.pending) == 1 and s.reply]
+        ready = [s for s in self._sessions.values() if self._has_work(s)]
+        real = [s for s in ready if s.priority is Priority.NORMAL]
+        ready = real or ready  # drafts only get steps with nothing else to do
+        self.last_schedule = [(s.id, s.priority) for s in ready]
+        decode = [s for s in ready if s.replying and len(s.pending) == 1 and s.reply]
         for s in decode:
             work.append(self._work(s, 1))
         budget -= len(decode)
         chosen = {s.id for s in decode}
         waiting = sorted(
-            (s for s in self._sessions.values() if s.pending and s.id not in chosen),
+            (s for s in ready if s.id not in chosen),
             key=lambda s: (not s.replying, s.priority.value, s.served, s.id),
         )
         for s in waiting:
-            n = min(len(s.pending), self.config.prefill_chunk)
+            n = min(s.cuts[0], self.config.prefill_chunk)
             if n > budget and work:
                 continue
             work.append(self._work(s, n))
@@ -404,6 +473,8 @@ class DialogEngine:
             budget -= n
             self.stats["prefill_tokens"] += n
         self.stats["decode_tokens"] += len(decode)
+        if ready and not real:
+            self.stats["draft_steps"] += 1
         return work
 
     def _work(self, session: _Session, n: int) -> _Work:
@@ -421,16 +492,14 @@ class DialogEngine:
             self._finish_reply(session)
             return None
         session.reply.append(token)
+        _queue(session, [token])
         if len(session.reply) >= self.config.max_reply_tokens:
-            session.pending.append(token)
             self._finish_reply(session)
-        else:
-            session.pending.append(token)
         return token
 
     def _finish_reply(self, session: _Session) -> None:
         session.replying = False
-        session.pending.extend(self.tokenizer.encode(self.format.reply_close))
+        _queue(session, self.tokenizer.encode(self.format.reply_close))
 
     def _attend_fn(self, work: Sequence[_Work], segments: Sequence[Segment]) -> AttendFn:
         """Attention for one step: all one-token rows in one batched call, each longer chunk on its own."""
@@ -461,6 +530,21 @@ class DialogEngine:
             return self._sessions[sid]
         except KeyError:
             raise UnknownSession(f"no dialog session {sid}") from None
+
+
+def _queue(session: _Session, ids: Sequence[int]) -> None:
+    """Queue tokens as one piece: a chunk never spans two pieces (see "Lossless drafts" above)."""
+    if ids:
+        session.pending.extend(ids)
+        session.cuts.append(len(ids))
+
+
+def _chunks(n: int, size: int) -> list[int]:
+    return [min(size, n - at) for at in range(0, n, size)]
+
+
+def _chain(key: int, piece: tuple[object, ...]) -> int:
+    return hash((key, piece))
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,10 @@
 The engine is not thread-safe, so sessions never call it directly: they queue commands, which the worker
 applies between steps (on the event loop, where they only tokenize and edit lists), then it runs the next
 step on its thread and hands each session its new reply text and P(end of turn).
+
+Speculative listening lives here too: `DraftReply` forks the conversation into a draft (a low-priority
+engine session, see `dialog/speculation.py`); `StartReply` adopts the draft made for exactly the
+conversation's state, whose tokens then go out at once, or starts the reply from scratch on a miss.
 """
 
 from __future__ import annotations
@@ -11,22 +15,46 @@ import asyncio
 import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
+from duplexd.config import SpeculationConfig
 from duplexd.dialog.engine import DialogEngine
+from duplexd.dialog.kv_window import PoolFull
+from duplexd.dialog.speculation import Draft, HypothesisPool
 from duplexd.errors import Overloaded
-from duplexd.streaming.conversation import AppendUserText, InterruptReply, StartReply
+from duplexd.streaming.conversation import AppendUserText, DraftReply, InterruptReply, StartReply
 
 log = logging.getLogger(__name__)
 
-DialogCommand = AppendUserText | StartReply | InterruptReply
+DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply
 
 
 class DialogClient(Protocol):
     def on_reply(self, reply: int, texts: list[str], done: bool) -> None: ...
 
     def on_p_end(self, p: float, version: int) -> None: ...
+
+    def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:
+        """At the start of `reply`: how many drafts were made for it, whether one was used, and how many
+        of its tokens it brought."""
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    turns: int = 0  # replies started
+    drafted_turns: int = 0  # ... with at least one draft made for them
+    hits: int = 0  # ... that adopted a draft
+    drafts: int = 0  # drafts made
+    skipped: int = 0  # drafts not made: no free KV slot
+    draft_tokens: int = 0  # reply tokens decoded by drafts
+    adopted_tokens: int = 0  # ... of them used by adopted drafts
+    wasted_tokens: int = 0  # ... of them dropped with their drafts
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = asdict(self)
+        out["hit_rate"] = round(self.hits / self.drafted_turns, 3) if self.drafted_turns else 0.0
+        return out
 
 
 @dataclass(slots=True)
@@ -37,6 +65,7 @@ class _Entry:
     reported: int = 0  # reply tokens handed to the client
     version: int = 0  # the last AppendUserText applied
     p_version: int = -1  # the version whose P(end of turn) was reported
+    drafts_made: int = 0  # for the turn in progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +89,18 @@ _Queued = _Open | _Close | _ForSession
 
 
 class DialogWorker:
-    def __init__(self, engine: DialogEngine, system_prompt: str | None = None, max_commands: int = 4096) -> None:
+    def __init__(
+        self,
+        engine: DialogEngine,
+        system_prompt: str | None = None,
+        max_commands: int = 4096,
+        speculation: SpeculationConfig | None = None,
+    ) -> None:
         self.engine = engine
         self._system_prompt = system_prompt  # None: the engine's own
+        self.speculation = speculation or SpeculationConfig()
+        self._pool = HypothesisPool(self.speculation.drafts_per_session, self.speculation.max_drafts)
+        self.stats = SpeculationStats()
         self._entries: dict[int, _Entry] = {}
         self._commands: deque[_Queued] = deque()
         self._max_commands = max_commands
@@ -99,7 +137,7 @@ class DialogWorker:
                     if done.cancelled():
                         continue
                     try:
-                        sid = engine.open(self._system_prompt)
+                        sid = self._open_session()
                     except Exception as exc:  # PoolFull, or a broken engine
                         done.set_exception(exc)
                         continue
@@ -107,11 +145,22 @@ class DialogWorker:
                     done.set_result(sid)
                 case _Close(sid=sid):
                     if self._entries.pop(sid, None) is not None:
+                        self._drop(self._pool.clear(sid))
                         engine.close(sid)
                 case _ForSession(sid=sid, command=command):
                     entry = self._entries.get(sid)
                     if entry is not None:
                         self._command(sid, entry, command)
+
+    def _open_session(self) -> int:
+        while True:
+            try:
+                return self.engine.open(self._system_prompt)
+            except PoolFull:
+                oldest = self._pool.oldest()  # a draft never keeps a conversation out
+                if oldest is None:
+                    raise
+                self._drop([oldest])
 
     def _command(self, sid: int, entry: _Entry, command: DialogCommand) -> None:
         engine = self.engine
@@ -119,13 +168,62 @@ class DialogWorker:
             case AppendUserText(text=text, version=version):
                 engine.append_user_text(sid, text)
                 entry.version = version
+                self._drop(self._pool.prune(sid, engine.state_key(sid)))
+            case DraftReply(text=text, version=version):
+                if self.speculation.enabled and version == entry.version and entry.reply is None:
+                    self._draft(sid, entry, text)
             case StartReply(reply=reply):
-                engine.start_reply(sid)
-                entry.reply, entry.last_reply, entry.reported = reply, reply, 0
+                self._start_reply(sid, entry, reply)
             case InterruptReply(reply=reply, heard_tokens=heard):
                 if entry.last_reply == reply:
                     engine.interrupt(sid, heard)  # also cuts a reply whose generation has finished
                     entry.reply = None
+
+    def _draft(self, sid: int, entry: _Entry, text: str) -> None:
+        """Fork the conversation and start its reply as if the user's turn ended after `text`."""
+        engine = self.engine
+        if engine.replying(sid):
+            return
+        base = engine.state_key(sid)
+        if engine.free_slots == 0:
+            self.stats.skipped += 1
+            return
+        draft = engine.fork(sid, decode_limit=self.speculation.draft_tokens)
+        engine.append_user_text(draft, text)
+        key = engine.state_key(draft)
+        if self._pool.has(sid, key):  # already drafted for these words
+            engine.close(draft)
+            return
+        engine.start_reply(draft)
+        self._drop(self._pool.add(Draft(draft, sid, base, key, text)))
+        self.stats.drafts += 1
+        entry.drafts_made += 1
+
+    def _start_reply(self, sid: int, entry: _Entry, reply: int) -> None:
+        engine = self.engine
+        hit = self._pool.take(sid, engine.state_key(sid))
+        self._drop(self._pool.clear(sid))
+        brought = 0
+        if hit is not None:
+            brought = len(engine.reply_tokens(hit.sid))
+            engine.adopt(sid, hit.sid)  # its tokens are exactly those the conversation would generate now
+            self.stats.hits += 1
+            self.stats.adopted_tokens += brought
+            self.stats.draft_tokens += brought
+        else:
+            engine.start_reply(sid)
+        self.stats.turns += 1
+        self.stats.drafted_turns += entry.drafts_made > 0
+        entry.client.on_speculation(reply, entry.drafts_made, hit is not None, brought)
+        entry.drafts_made = 0
+        entry.reply, entry.last_reply, entry.reported = reply, reply, 0
+
+    def _drop(self, drafts: list[Draft]) -> None:
+        for d in drafts:
+            wasted = len(self.engine.reply_tokens(d.sid))
+            self.stats.wasted_tokens += wasted
+            self.stats.draft_tokens += wasted
+            self.engine.close(d.sid)
 
     def _dispatch(self) -> None:
         engine, tok = self.engine, self.engine.tokenizer
@@ -170,6 +268,7 @@ class DialogWorker:
         this worker, as it does when one process runs servers one after another)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
         for sid in self._entries:
+            self._drop(self._pool.clear(sid))
             self.engine.close(sid)
         self._entries.clear()
         self._commands.clear()

@@ -2,7 +2,8 @@
 dialog engine, TTS and the client report, and carries out the commands it returns.
 
     transcript events -> observe()      -> AppendUserText (committed words stream into the LLM)
-    every tick        -> tick()         -> TurnEnded + StartReply, once the endpointer says the turn is over
+    every tick        -> tick()         -> TurnEnded + StartReply, once the endpointer says the turn is over;
+                                           DraftReply while the user pauses (speculative listening)
     reply text        -> reply_text()   -> ReplyDelta + Synthesize (pieces cut by the TextChunker)
     TTS audio         -> audio_ready()  -> PlayAudio (in order), EndAudio once the whole reply is voiced
     audio sent        -> audio_sent()   -> ReplyDone
@@ -50,6 +51,15 @@ class StartReply:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftReply:
+    """The user paused: draft the reply as if their turn ended after `text` (appended like `AppendUserText`
+    to the words of append `version`; "" for the words as they are)."""
+
+    text: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
 class InterruptReply:
     reply: int
     heard_tokens: int
@@ -84,7 +94,7 @@ class StopAudio:
     reply: int
 
 
-Command = AppendUserText | StartReply | InterruptReply | Synthesize | PlayAudio | EndAudio | StopAudio
+Command = AppendUserText | StartReply | DraftReply | InterruptReply | Synthesize | PlayAudio | EndAudio | StopAudio
 Output = Event | Command
 
 _NORMALIZE = re.compile(r"[^\w'\-]+")
@@ -147,9 +157,13 @@ class _Reply:
 
 
 class Conversation:
-    def __init__(self, turn: TurnConfig, tts: TtsConfig) -> None:
+    def __init__(self, turn: TurnConfig, tts: TtsConfig, *, speculate: bool = False, drafts: int = 2) -> None:
         self._turn = turn
         self._tts = tts
+        self._speculate = speculate
+        self._max_drafts = drafts
+        self._tentative: dict[int, tuple[Word, ...]] = {}  # open utterances' words not committed yet
+        self._drafted: set[tuple[int, str]] = set()  # (version, words) drafted this turn
         self._endpointer = Endpointer(turn)
         self._backchannels = turn.backchannel_words
         self.turns = 0
@@ -188,6 +202,10 @@ class Conversation:
         if reply is not None and utt >= reply.first_utterance:
             self._held[utt] = (event.words, committed, final)
             return self._maybe_barge_in()
+        if final:
+            self._tentative.pop(utt, None)
+        else:
+            self._tentative[utt] = event.words[committed:]
         return self._send_words(utt, event.words[:committed])
 
     def _send_words(self, utt: int, words: tuple[Word, ...]) -> list[Output]:
@@ -198,10 +216,15 @@ class Conversation:
         texts = [w.text.strip() for w in new if w.text.strip()]
         if not texts:
             return []
-        text = " ".join(texts)
+        text = self._continuation(texts)
         self._turn_words.extend(texts)
         self._versions += 1  # any P(end of turn) held is now for older text
-        return [AppendUserText(text if len(self._turn_words) == len(texts) else " " + text, self._versions)]
+        return [AppendUserText(text, self._versions)]
+
+    def _continuation(self, texts: list[str]) -> str:
+        """`texts` as appended after the turn's words so far (with a leading space unless they open it)."""
+        text = " ".join(texts)
+        return " " + text if self._turn_words and text else text
 
     def p_end_of_turn(self, p: float, version: int) -> None:
         """The LLM's P(end of turn) after the append numbered `version` (stale ones are ignored)."""
@@ -222,9 +245,30 @@ class Conversation:
             eos_s = stream_s - silence_ms / 1000
             out.append(TurnEnded(self.turns, text, eos_s, silence_ms, p))
             self._turn_words = []
+            self._drafted.clear()
             chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
             self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker)
             out += [StartReply(self.turns), ReplyStarted(self.turns)]
+        elif self._speculate and silence_ms >= max(self._turn.pause_ms, 32) and p is not None:
+            out.extend(self._drafts())
+        return out
+
+    def _drafts(self) -> list[Output]:
+        """The user pauses and the LLM has every committed word: draft the reply for the words they have
+        most likely said, the recognizer's latest hypothesis (its uncommitted tail is what the final pass
+        usually confirms), then the same without its last, least sure word."""
+        if len(self._open) > 1:
+            return []  # two utterances' words would reach the LLM in two appends: no single draft matches
+        tentative = [w.text.strip() for u in self._open for w in self._tentative.get(u, ()) if w.text.strip()]
+        tails = [tentative, tentative[:-1]] if tentative else [[]]
+        out: list[Output] = []
+        for tail in tails[: self._max_drafts]:
+            if not (self._turn_words or tail):
+                continue
+            text = self._continuation(tail)
+            if (self._versions, text) not in self._drafted:
+                self._drafted.add((self._versions, text))
+                out.append(DraftReply(text, self._versions))
         return out
 
     # --- replying --------------------------------------------------------------------------------------

@@ -71,6 +71,17 @@ class ReplyStarted:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplySpeculation:
+    """How speculative listening served a reply: drafts made while the user paused, and whether one was
+    exactly this reply's start (`hit`: its `draft_tokens` were ready when the turn ended)."""
+
+    reply: int
+    drafts: int
+    hit: bool
+    draft_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReplyDelta:
     reply: int
     text: str
@@ -109,6 +120,7 @@ Event = (
     | UtteranceFinalized
     | TurnEnded
     | ReplyStarted
+    | ReplySpeculation
     | ReplyDelta
     | ReplyDone
     | ReplyInterrupted

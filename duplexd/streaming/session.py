@@ -3,6 +3,10 @@ and hands their results back; `now` (seconds, any monotonic clock) is always pas
 
     frame -> accept_frame() -> VAD chunks -> [VAD worker] -> apply_vad() -> events (+ frame.ack)
     wants_pass() -> prepare_pass() -> [ASR worker] -> apply_pass() -> transcript events
+
+Finalize at the pause: after `turn.pause_ms` of silence the open utterance ends where the audio heard so
+far ends (its next pass is the final one), well before VAD's own end of speech (`vad.min_silence_ms`).
+Silence adds no words, so that text is the final text; speech that resumes opens the next utterance.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class Session:
         self._worst_lag_ms = 0.0
         self.frames = 0
         self._last_voice_s: float | None = None  # end of the last VAD chunk that sounded like speech
+        self._paused_at: float | None = None  # the open speech was finalized at a pause ending here (s)
+        self._voiced_run = 0  # consecutive voiced chunks
+        self._resume_chunks = max(1, -(-config.vad.min_speech_ms // 32))
         self.lags_ms: deque[float] = deque(maxlen=4096)  # recent per-frame lags, for metrics
 
     @property
@@ -99,15 +106,32 @@ class Session:
             self._vad_done += VAD_CHUNK_SAMPLES
             if prob >= self._config.vad.threshold:
                 self._last_voice_s = self._vad_done / VAD_SAMPLE_RATE
+                self._voiced_run += 1
+            else:
+                self._voiced_run = 0
             change = self._hysteresis.push(float(prob), t0)
             if isinstance(change, SpeechStarted):
+                self._paused_at = None
                 self.transcriber.speech_started(change.t_s)
                 events.append(change)
             elif isinstance(change, SpeechStopped):
-                self.transcriber.speech_stopped(change.t_s)
+                if self._paused_at is None:  # (else the utterance already ended at the pause)
+                    self.transcriber.speech_stopped(change.t_s)
+                self._paused_at = None
                 events.append(change)
+            elif self._paused_at is not None and self._voiced_run >= self._resume_chunks:
+                # Speech resumed before VAD's end of speech: the next utterance starts where the last ended.
+                self.transcriber.speech_started(self._paused_at)
+                self._paused_at = None
+            self._maybe_pause()
         events.extend(self._ack(now))
         return events
+
+    def _maybe_pause(self) -> None:
+        pause_ms = self._config.turn.pause_ms
+        if pause_ms and self._paused_at is None and self._hysteresis.speaking and self.silence_ms >= pause_ms:
+            self._paused_at = self.heard_s
+            self.transcriber.speech_stopped(self._paused_at)
 
     def _ack(self, now: float) -> list[Event]:
         """Every frame whose chunks are now evaluated is done; ack once `ack_interval_ms` of audio is due."""
@@ -128,21 +152,21 @@ class Session:
 
     def end_of_stream(self) -> None:
         """No more audio: an open utterance gets its final pass over what was heard."""
-        if self._hysteresis.speaking:
+        if self._hysteresis.speaking and self._paused_at is None:
             self.transcriber.speech_stopped(self.stream_s)
 
     # ASR scheduling, delegated to the transcriber.
     def wants_pass(self) -> bool:
         """A pass is due, except in the first moments of a pause: a partial pass started there would stop
-        just short of the end of speech (which VAD reports `speech_pad_ms` after the silence began), and
-        the final pass would then wait for it and run after it. Held until the silence is longer than the
-        pad, the pass covers the end of speech and becomes the final (the transcriber's covered rule):
+        just short of the end of speech, and the final pass would then wait for it and run after it. Held
+        until the pause finalizes the utterance (`turn.pause_ms`; without it, until the silence is longer
+        than VAD's pad and the pass covers the end of speech: the transcriber's covered rule), there is
         one pass after the user stops instead of up to two."""
         if not self.transcriber.wants_pass():
             return False
         if self.transcriber.final_due:
             return True
-        hold_ms = self._config.vad.speech_pad_ms + 100
+        hold_ms = self._config.turn.pause_ms or self._config.vad.speech_pad_ms + 100
         return not 64 <= self.silence_ms < hold_ms
 
     def pending_since_s(self) -> float:

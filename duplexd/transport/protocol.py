@@ -36,6 +36,7 @@ class ServerType(StrEnum):
     TRANSCRIPT_FINAL = "transcript.final"
     TURN_ENDED = "turn.ended"
     REPLY_STARTED = "reply.started"
+    REPLY_SPECULATION = "reply.speculation"
     REPLY_DELTA = "reply.delta"
     REPLY_DONE = "reply.done"
     REPLY_INTERRUPTED = "reply.interrupted"
@@ -208,6 +209,8 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
             }
         case ev.ReplyStarted(reply=r):
             return {"type": ServerType.REPLY_STARTED, "reply": r}
+        case ev.ReplySpeculation(reply=r, drafts=drafts, hit=hit, draft_tokens=n):
+            return {"type": ServerType.REPLY_SPECULATION, "reply": r, "drafts": drafts, "hit": hit, "draft_tokens": n}
         case ev.ReplyDelta(reply=r, text=text):
             return {"type": ServerType.REPLY_DELTA, "reply": r, "text": text}
         case ev.ReplyDone(reply=r, text=text, audio_ms=ms):

@@ -35,7 +35,7 @@ from duplexd.scheduler.dialog import DialogWorker
 from duplexd.scheduler.tts import TtsWorker
 from duplexd.scheduler.workers import AsrScheduler, VadWorker
 from duplexd.streaming import conversation as cv
-from duplexd.streaming.events import Event
+from duplexd.streaming.events import Event, ReplySpeculation
 from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
 from duplexd.transport import protocol
@@ -89,7 +89,9 @@ class Server:
         self.asr = AsrScheduler(engines.asr)
         self.asr_name = engines.asr.name
         self.dialog = (
-            DialogWorker(engines.dialog, config.dialog.system_prompt) if engines.dialog and engines.tts else None
+            DialogWorker(engines.dialog, config.dialog.system_prompt, speculation=config.speculation)
+            if engines.dialog and engines.tts
+            else None
         )
         self.tts = TtsWorker(engines.tts) if engines.dialog and engines.tts else None
         self.sessions: dict[str, Session] = {}
@@ -174,6 +176,7 @@ class Server:
             },
             "counters": dict(self.counters),
             "llm": None if self.dialog is None else _rounded(self.dialog.engine.stats),
+            "speculation": None if self.dialog is None else self.dialog.stats.as_dict(),
             "tts": None
             if self.tts is None
             else {
@@ -318,7 +321,7 @@ class _Connection:
             return
         for out in outputs:
             match out:
-                case cv.AppendUserText() | cv.StartReply() | cv.InterruptReply():
+                case cv.AppendUserText() | cv.StartReply() | cv.DraftReply() | cv.InterruptReply():
                     server.dialog.submit(self.dialog_sid, out)
                 case cv.Synthesize(reply=reply, index=index, text=text):
                     ahead_s = max(0, self.playout.sent + self.playout.queued - self._played()) / OUTPUT_SAMPLE_RATE
@@ -357,6 +360,9 @@ class _Connection:
         if self.conversation is not None:
             self.conversation.p_end_of_turn(p, version)
             self._tick()
+
+    def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
+        self.send(protocol.encode_event(ReplySpeculation(reply, drafts, hit, draft_tokens)))
 
     def _played(self) -> int:
         """Samples of the output stream the client has played by now."""
@@ -461,7 +467,10 @@ class _Connection:
         if dialog:
             assert server.dialog is not None
             self.dialog_sid = await server.dialog.open(self)  # raises PoolFull (Overloaded)
-            self.conversation = cv.Conversation(server.config.turn, server.config.tts)
+            spec = server.config.speculation
+            self.conversation = cv.Conversation(
+                server.config.turn, server.config.tts, speculate=spec.enabled, drafts=spec.drafts_per_session
+            )
         self.session = session
         server.sessions[session.id] = session
         server.counters["sessions"] += 1

@@ -265,3 +265,86 @@ def test_interrupt_cuts_a_finished_reply_too(smol) -> None:
     engine.interrupt(sid, heard_tokens=1)
     run_until_idle(engine)
     assert engine.context_tokens(sid)[: len(before)] == before and engine.reply_tokens(sid) == said[:heard]
+
+
+def speculative_reply(
+    engine: DialogEngine, first: str, tail: str, final_tail: str, limit: int
+) -> tuple[list[int], bool]:
+    """A conversation that drafts its reply as if the user had said `first + tail`, then hears `first +
+    final_tail`; returns its reply and whether the draft was adopted."""
+    sid = engine.open()
+    engine.append_user_text(sid, first)
+    run_until_idle(engine)
+    draft = engine.fork(sid, decode_limit=limit)
+    engine.append_user_text(draft, tail)
+    key = engine.state_key(draft)
+    engine.start_reply(draft)
+    drafted = run_until_idle(engine).get(draft, [])
+    assert engine.parked(draft) and len(drafted) == min(limit, len(engine.reply_tokens(draft)))
+    engine.append_user_text(sid, final_tail)  # the user's real last words
+    run_until_idle(engine)
+    hit = engine.state_key(sid) == key
+    if hit:
+        engine.adopt(sid, draft)
+        replies = run_until_idle(engine, {sid: list(drafted)})
+    else:
+        engine.close(draft)
+        engine.start_reply(sid)
+        replies = run_until_idle(engine)
+    reply = replies.get(sid, [])
+    assert reply == engine.reply_tokens(sid)
+    engine.close(sid)
+    return reply, hit
+
+
+def test_an_adopted_draft_is_the_reply_token_for_token(smol) -> None:
+    engine = make_engine(smol, max_sessions=4, max_reply_tokens=30)
+    for question in QUESTIONS:
+        head, tail = question.split(" ", 1)
+        reference = engine.open()
+        engine.append_user_text(reference, head)
+        run_until_idle(engine)
+        engine.append_user_text(reference, " " + tail)
+        run_until_idle(engine)
+        engine.start_reply(reference)
+        expected = run_until_idle(engine)[reference]
+        engine.close(reference)
+        reply, hit = speculative_reply(engine, head, " " + tail, " " + tail, limit=6)
+        assert hit and reply == expected
+        # A draft for other words is never used: the reply is the one those words get.
+        reply, hit = speculative_reply(engine, head, " " + tail + " Be brief.", " " + tail, limit=6)
+        assert not hit and reply == expected
+
+
+def test_the_key_depends_on_how_the_words_arrived(smol) -> None:
+    """Chunks are cut at every append, so "a b" in one piece and "a" + " b" are different states."""
+    engine = make_engine(smol, max_sessions=2)
+    one, two = engine.open(), engine.open()
+    engine.append_user_text(one, "Why is the sky blue?")
+    engine.append_user_text(two, "Why is the sky")
+    engine.append_user_text(two, " blue?")
+    assert engine.state_key(one) != engine.state_key(two)
+    before = engine.state_key(one)
+    run_until_idle(engine)
+    assert engine.state_key(one) == before  # the key names the state once the queue is in
+
+
+def test_drafts_only_get_steps_without_real_work(smol) -> None:
+    engine = make_engine(smol, max_sessions=4, max_reply_tokens=12)
+    talker = engine.open()
+    engine.append_user_text(talker, QUESTIONS[0])
+    run_until_idle(engine)
+    draft = engine.fork(talker, decode_limit=100)
+    engine.start_reply(draft)
+    engine.start_reply(talker)
+    listener = engine.open()
+    engine.append_user_text(listener, QUESTIONS[2])
+    schedules = []
+    while engine.busy():
+        engine.step()
+        schedules.append(engine.last_schedule)
+    kinds = [{p.name for _, p in s} for s in schedules]
+    assert all(k in ({"NORMAL"}, {"DRAFT"}) for k in kinds), kinds
+    first_draft = kinds.index({"DRAFT"})
+    assert all(k == {"NORMAL"} for k in kinds[:first_draft]) and all(k == {"DRAFT"} for k in kinds[first_draft:])
+    assert engine.stats["draft_steps"] == len(kinds) - first_draft

@@ -246,3 +246,34 @@ def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
     for heard in ("stop talking please", "wait no", "what about mars", "the birch canoe slid"):
         assert cv.echo_score(heard, reply) < 0.6, heard
     assert cv.echo_score("anything", "") == 0.0
+
+
+def test_a_pause_drafts_the_reply_for_the_words_the_final_pass_will_most_likely_give() -> None:
+    conv = cv.Conversation(TurnConfig(), TtsConfig(), speculate=True)
+    w = words("what is the capital of France?")
+    (first,) = of(conv.observe([TranscriptUpdated(1, w, 3)]), cv.AppendUserText)  # "what is the" committed
+    assert first.text == "what is the"
+    assert conv.tick(stream_s=3.0, silence_ms=250, asr_settled=False) == []  # P(end) not in yet: no draft
+    conv.p_end_of_turn(0.001, first.version)
+    assert conv.tick(stream_s=3.0, silence_ms=100, asr_settled=False) == []  # not a pause yet
+    drafts = of(conv.tick(stream_s=3.1, silence_ms=250, asr_settled=False), cv.DraftReply)
+    assert [(d.text, d.version) for d in drafts] == [(" capital of France?", 1), (" capital of", 1)]
+    assert conv.tick(stream_s=3.2, silence_ms=300, asr_settled=False) == []  # each once
+    # The final pass confirms the hypothesis: the words reach the LLM exactly as the first draft assumed.
+    (append,) = of(conv.observe([UtteranceFinalized(1, w)]), cv.AppendUserText)
+    assert append.text == drafts[0].text
+    conv.p_end_of_turn(0.3, append.version)
+    out = conv.tick(stream_s=3.5, silence_ms=600, asr_settled=True)
+    assert of(out, cv.StartReply) and not of(out, cv.DraftReply)
+
+
+def test_drafts_for_the_settled_text_and_never_while_replying() -> None:
+    conv = cv.Conversation(TurnConfig(min_silence_ms=1000), TtsConfig(), speculate=True)
+    out = say(conv, 1, "Tell me a story", p_end=0.001)
+    (draft,) = of(conv.tick(stream_s=3.0, silence_ms=300, asr_settled=True), cv.DraftReply)
+    assert draft.text == "" and draft.version == of(out, cv.AppendUserText)[-1].version
+    assert of(conv.tick(stream_s=5.0, silence_ms=1300, asr_settled=True), cv.StartReply)
+    assert of(conv.tick(stream_s=6.0, silence_ms=2300, asr_settled=True), cv.DraftReply) == []
+    off = cv.Conversation(TurnConfig(min_silence_ms=1000), TtsConfig())
+    say(off, 1, "Tell me a story", p_end=0.001)
+    assert off.tick(stream_s=3.0, silence_ms=300, asr_settled=True) == []  # speculation off

@@ -7,10 +7,18 @@ import dataclasses
 import numpy as np
 import pytest
 
+from duplexd.asr.engine import Segment, Transcription
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES
 from duplexd.config import AsrConfig, ServerConfig, TransportConfig
 from duplexd.errors import ErrorCode, ProtocolError
-from duplexd.streaming.events import FrameAcked, SpeechStarted, SpeechStopped
+from duplexd.streaming.events import (
+    FrameAcked,
+    SpeechStarted,
+    SpeechStopped,
+    TranscriptUpdated,
+    UtteranceFinalized,
+    Word,
+)
 from duplexd.streaming.session import Session
 
 C = 0.032
@@ -211,3 +219,51 @@ def test_end_of_stream_in_silence_asks_for_nothing() -> None:
     drive(session, 512, [[Q]] * 20, [0.0] * 20)
     session.end_of_stream()
     assert not session.wants_pass()
+
+
+def pass_result(*texts_at: tuple[str, float]) -> Transcription:
+    words = tuple(Word(t, at, at + 0.2) for t, at in texts_at)
+    return Transcription((Segment(0.0, 1.0, words, 0.0, 0.0),))
+
+
+def test_a_pause_finalizes_the_utterance_up_to_there() -> None:
+    session = Session("s", 16_000, config(min_new_audio_s=5.0))  # (no partial passes in the way)
+    drive(session, 512, [[Q]] * 10 + [[S]] * 30, [0.0] * 40)
+    pause_chunks = -(-ServerConfig().turn.pause_ms // 32)  # 7 chunks of silence: 224 ms
+    for k in range(pause_chunks):
+        assert not session.wants_pass(), f"a pass in the first {k * 32} ms of silence"
+        drive_more(session, [Q])
+    assert session.wants_pass()
+    request = session.prepare_pass()
+    assert request.final and request.end_sample == (40 + pause_chunks) * 512  # all the audio heard so far
+    events = session.apply_pass(request, pass_result(("Hello", 0.5), ("there.", 0.8)))
+    (final,) = [e for e in events if isinstance(e, UtteranceFinalized)]
+    assert [w.text for w in final.words] == ["Hello", "there."]
+    # VAD's own end of speech comes later and asks for nothing more.
+    for _ in range(20):
+        drive_more(session, [Q])
+        assert not session.wants_pass()
+
+
+def test_speech_resuming_after_a_pause_is_the_next_utterance() -> None:
+    session = Session("s", 16_000, config(min_new_audio_s=0.5))
+    drive(session, 512, [[Q]] * 10 + [[S]] * 30 + [[Q]] * 7, [0.0] * 47)
+    first = session.prepare_pass()
+    assert first.final
+    drive_more(session, [S, S])  # the user goes on before VAD's end of speech (and before the pass is back)
+    events = session.apply_pass(first, pass_result(("Well,", 0.5)))
+    assert [e.utterance for e in events if isinstance(e, UtteranceFinalized)] == [1]
+    for _ in range(14):
+        drive_more(session, [S])
+    request = session.prepare_pass()  # the next utterance, from where the first one ended
+    assert not request.final and request.start_sample == first.end_sample
+    events = session.apply_pass(request, pass_result(("I", 0.1), ("think", 0.4)))
+    updates = [e for e in events if isinstance(e, TranscriptUpdated)]
+    assert updates and all(e.utterance == 2 for e in updates)
+
+
+def drive_more(session: Session, probs: list[float]) -> None:
+    for p in probs:
+        k = session.frames
+        chunks = session.accept_frame(10_000 + k, np.zeros(512, "<i2").tobytes(), now=200.0 + k * C)
+        session.apply_vad(chunks, np.array([p]), now=200.0 + k * C)

