@@ -245,6 +245,9 @@ class SpeculationConfig:
     """The words heard so far, and the most likely other ending (the last unsure word left out)."""
     max_drafts: int = 8
     """Drafts in the engine at once, across sessions (each holds a KV slot while it lives)."""
+    yield_to_asr: bool = True
+    """Drafts wait while a recognizer pass or a reply's synthesis runs. Where the LLM has cores (or a GPU)
+    of its own, false lets drafts run beside the final pass, when a hypothesis draft can still hit."""
 
     def __post_init__(self) -> None:
         _require(self.draft_tokens >= 1, "speculation.draft_tokens", self.draft_tokens, ">= 1")

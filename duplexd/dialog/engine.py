@@ -293,6 +293,20 @@ class DialogEngine:
                 at += n
         return hash((key, session.user_open, session.replying))
 
+    def steps_to_reply(self, sid: int) -> int:
+        """Engine steps before the session's first reply token (0 once it has one): its queued pieces'
+        chunks, plus the assistant header's if its reply has not been started."""
+        session = self._get(sid)
+        if session.reply:
+            return 0
+        chunk = self.config.prefill_chunk
+        steps = sum(len(_chunks(cut, chunk)) for cut in session.cuts)
+        if session.replying:
+            return steps
+        header = len(_chunks(len(self.tokenizer.encode(self.format.user_close)), chunk))
+        opening = 0 if session.user_open else len(_chunks(len(self.tokenizer.encode(self.format.user_open)), chunk))
+        return steps + header + opening
+
     def parked(self, sid: int) -> bool:
         """A draft that reached its decode limit (or finished its reply) and waits to be adopted or freed."""
         session = self._get(sid)
@@ -325,8 +339,9 @@ class DialogEngine:
     def reply_tokens(self, sid: int) -> list[int]:
         return list(self._get(sid).reply)
 
-    def busy(self) -> bool:
-        return any(self._has_work(s) for s in self._sessions.values())
+    def busy(self, *, drafts: bool = True) -> bool:
+        """Any session has work to step (`drafts=False`: any but drafts)."""
+        return any(self._has_work(s) for s in self._sessions.values() if drafts or s.priority is Priority.NORMAL)
 
     def _has_work(self, s: _Session) -> bool:
         if not s.pending:

@@ -12,10 +12,12 @@ conversation's state, whose tokens then go out at once, or starts the reply from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from duplexd.config import SpeculationConfig
@@ -27,6 +29,9 @@ from duplexd.streaming.conversation import AppendUserText, DraftReply, Interrupt
 
 log = logging.getLogger(__name__)
 
+_YIELD_POLL_S = 0.01
+_DRAFT_SHOWN_AT = 6  # reply tokens: a first spoken piece (two words, or a short clause) is in them
+
 DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply
 
 
@@ -34,6 +39,9 @@ class DialogClient(Protocol):
     def on_reply(self, reply: int, texts: list[str], done: bool) -> None: ...
 
     def on_p_end(self, p: float, version: int) -> None: ...
+
+    def on_draft(self, texts: list[str]) -> None:
+        """A draft's reply so far, `texts[i]` decoded through its token i (to prepare its first audio)."""
 
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:
         """At the start of `reply`: how many drafts were made for it, whether one was used, and how many
@@ -47,6 +55,7 @@ class SpeculationStats:
     hits: int = 0  # ... that adopted a draft
     drafts: int = 0  # drafts made
     skipped: int = 0  # drafts not made: no free KV slot
+    behind: int = 0  # turns whose matching draft was not used: the conversation itself was further on
     draft_tokens: int = 0  # reply tokens decoded by drafts
     adopted_tokens: int = 0  # ... of them used by adopted drafts
     wasted_tokens: int = 0  # ... of them dropped with their drafts
@@ -66,6 +75,7 @@ class _Entry:
     version: int = 0  # the last AppendUserText applied
     p_version: int = -1  # the version whose P(end of turn) was reported
     drafts_made: int = 0  # for the turn in progress
+    drafts_shown: set[int] = field(default_factory=set)  # drafts whose text went to `on_draft`
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +105,16 @@ class DialogWorker:
         system_prompt: str | None = None,
         max_commands: int = 4096,
         speculation: SpeculationConfig | None = None,
+        yield_to: Callable[[], bool] | None = None,
     ) -> None:
+        """`yield_to`: True while other work that must not be slowed down runs on this machine's cores (a
+        recognizer pass, speech synthesis for a reply); drafts wait for it to finish."""
         self.engine = engine
         self._system_prompt = system_prompt  # None: the engine's own
         self.speculation = speculation or SpeculationConfig()
         self._pool = HypothesisPool(self.speculation.drafts_per_session, self.speculation.max_drafts)
         self.stats = SpeculationStats()
+        self._yield_to = yield_to
         self._entries: dict[int, _Entry] = {}
         self._commands: deque[_Queued] = deque()
         self._max_commands = max_commands
@@ -166,6 +180,7 @@ class DialogWorker:
         engine = self.engine
         match command:
             case AppendUserText(text=text, version=version):
+                log.debug("session %d: user %r", sid, text)
                 engine.append_user_text(sid, text)
                 entry.version = version
                 self._drop(self._pool.prune(sid, engine.state_key(sid)))
@@ -195,6 +210,7 @@ class DialogWorker:
             engine.close(draft)
             return
         engine.start_reply(draft)
+        log.debug("session %d: draft %d for %r", sid, draft, text)
         self._drop(self._pool.add(Draft(draft, sid, base, key, text)))
         self.stats.drafts += 1
         entry.drafts_made += 1
@@ -202,8 +218,15 @@ class DialogWorker:
     def _start_reply(self, sid: int, entry: _Entry, reply: int) -> None:
         engine = self.engine
         hit = self._pool.take(sid, engine.state_key(sid))
+        if hit is not None and engine.steps_to_reply(hit.sid) > engine.steps_to_reply(sid):
+            # Right, but behind: it has yet to take in words the conversation already has. Adopting it
+            # would redo that work before the first token.
+            self.stats.behind += 1
+            self._drop([hit])
+            hit = None
         self._drop(self._pool.clear(sid))
         brought = 0
+        log.debug("session %d: reply %d, %s", sid, reply, f"draft {hit.sid} hit" if hit else "no draft hit")
         if hit is not None:
             brought = len(engine.reply_tokens(hit.sid))
             engine.adopt(sid, hit.sid)  # its tokens are exactly those the conversation would generate now
@@ -216,7 +239,22 @@ class DialogWorker:
         self.stats.drafted_turns += entry.drafts_made > 0
         entry.client.on_speculation(reply, entry.drafts_made, hit is not None, brought)
         entry.drafts_made = 0
+        entry.drafts_shown.clear()
         entry.reply, entry.last_reply, entry.reported = reply, reply, 0
+
+    def _drop_behind(self, sid: int) -> None:
+        """Drafts for the words the conversation now has, but that have yet to take in some of them: the
+        conversation is ahead of them (it prefilled those words for P(end of turn)), so stepping them only
+        redoes its work, and a fresh fork (`DraftReply("")`) does better."""
+        engine, drafts = self.engine, self._pool.drafts(sid)
+        if not drafts:
+            return
+        key, steps = engine.state_key(sid), engine.steps_to_reply(sid)
+        behind = [d for d in drafts if d.key == key and engine.steps_to_reply(d.sid) > steps]
+        for d in behind:
+            self._pool.take(sid, d.key)
+            self.stats.behind += 1
+        self._drop(behind)
 
     def _drop(self, drafts: list[Draft]) -> None:
         for d in drafts:
@@ -228,6 +266,16 @@ class DialogWorker:
     def _dispatch(self) -> None:
         engine, tok = self.engine, self.engine.tokenizer
         for sid, entry in self._entries.items():
+            if entry.reply is None:
+                self._drop_behind(sid)
+            drafts = self._pool.drafts(sid)
+            entry.drafts_shown.intersection_update(d.sid for d in drafts)  # (forget drafts gone)
+            for d in drafts:
+                tokens = engine.reply_tokens(d.sid)
+                ready = len(tokens) >= min(_DRAFT_SHOWN_AT, self.speculation.draft_tokens) or engine.parked(d.sid)
+                if d.sid not in entry.drafts_shown and tokens and ready:
+                    entry.drafts_shown.add(d.sid)
+                    entry.client.on_draft([tok.decode(tokens[:k]) for k in range(1, len(tokens) + 1)])
             if entry.reply is not None:
                 tokens = engine.reply_tokens(sid)
                 done = not engine.replying(sid)
@@ -255,8 +303,14 @@ class DialogWorker:
                     self._dispatch()
                 except Exception:  # a bug in one session's handling must not stop every conversation
                     log.exception("dialog worker: applying commands failed")
-                if not self.engine.busy():
-                    break
+                if not self.engine.busy(drafts=False):
+                    if not self.engine.busy():
+                        break
+                    if self._yield_to is not None and self._yield_to():  # only drafts to step: they wait
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), _YIELD_POLL_S)
+                        self._wake.clear()
+                        continue
                 try:
                     await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception:

@@ -96,6 +96,7 @@ class AsrScheduler:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-asr")
         self.stats = AsrStats()
+        self.busy = False  # a pass is running (low-priority work elsewhere waits for it)
 
     def register(self, session: Session, emit: Callable[[list[Event]], None]) -> None:
         self._clients[session.id] = _Client(session, emit, time.monotonic())
@@ -127,6 +128,7 @@ class AsrScheduler:
                 session = client.session
                 request = session.prepare_pass()
                 started = time.monotonic()
+                self.busy = True
                 try:
                     result = await loop.run_in_executor(
                         self._executor, self._engine.transcribe, request.audio, request.prompt
@@ -137,6 +139,7 @@ class AsrScheduler:
                     client.idle.set()
                     continue
                 finally:
+                    self.busy = False
                     client.last_pass = time.monotonic()
                 elapsed = client.last_pass - started
                 self.stats.passes += 1

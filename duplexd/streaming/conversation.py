@@ -73,6 +73,13 @@ class Synthesize:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefetchSpeech:
+    """Synthesize `text` ahead, when idle: a drafted reply would start with it."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class PlayAudio:
     """Queue these samples (float32, 24 kHz) of reply `reply` for sending, after all queued before."""
 
@@ -94,7 +101,17 @@ class StopAudio:
     reply: int
 
 
-Command = AppendUserText | StartReply | DraftReply | InterruptReply | Synthesize | PlayAudio | EndAudio | StopAudio
+Command = (
+    AppendUserText
+    | StartReply
+    | DraftReply
+    | InterruptReply
+    | Synthesize
+    | PrefetchSpeech
+    | PlayAudio
+    | EndAudio
+    | StopAudio
+)
 Output = Event | Command
 
 _NORMALIZE = re.compile(r"[^\w'\-]+")
@@ -102,6 +119,11 @@ _NORMALIZE = re.compile(r"[^\w'\-]+")
 
 def _norm(word: str) -> str:
     return _NORMALIZE.sub("", word.lower()).strip("-'")
+
+
+def _whole_characters(text: str) -> str:
+    """Decoded reply text without a trailing half UTF-8 character (its next token completes it)."""
+    return text[: len(text) - 1] if text.endswith("\ufffd") else text
 
 
 def echo_score(heard: str, reply: str) -> float:
@@ -281,7 +303,7 @@ class Conversation:
             return []
         out: list[Output] = []
         for text in texts:
-            shown = text[: len(text) - 1] if text.endswith("\ufffd") else text  # half a UTF-8 character
+            shown = _whole_characters(text)
             r.token_ends.append(len(shown))
             if len(shown) > len(r.text) and shown.startswith(r.text):
                 out.extend(self._add_text(r, shown[len(r.text) :]))
@@ -290,6 +312,20 @@ class Conversation:
             out.extend(self._pieces(r, r.chunker.flush()))
             out.extend(self._maybe_end_audio(r))
         return out
+
+    def draft_text(self, texts: list[str]) -> list[Output]:
+        """A drafted reply so far (as `reply_text` would get it): its first TTS piece, to synthesize ahead.
+        The same tokens give the same pieces, so if the draft becomes the reply this audio is its start."""
+        if self._reply is not None:
+            return []
+        scratch = _Reply(0, 0, chunker=TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words))
+        for text in texts:
+            shown = _whole_characters(text)
+            if len(shown) > len(scratch.text) and shown.startswith(scratch.text):
+                for out in self._add_text(scratch, shown[len(scratch.text) :]):
+                    if isinstance(out, Synthesize):
+                        return [PrefetchSpeech(out.text)]
+        return []
 
     def _add_text(self, r: _Reply, delta: str) -> list[Output]:
         if not r.text:

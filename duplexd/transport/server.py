@@ -89,7 +89,12 @@ class Server:
         self.asr = AsrScheduler(engines.asr)
         self.asr_name = engines.asr.name
         self.dialog = (
-            DialogWorker(engines.dialog, config.dialog.system_prompt, speculation=config.speculation)
+            DialogWorker(
+                engines.dialog,
+                config.dialog.system_prompt,
+                speculation=config.speculation,
+                yield_to=self._others_busy if config.speculation.yield_to_asr else None,
+            )
             if engines.dialog and engines.tts
             else None
         )
@@ -151,6 +156,10 @@ class Server:
             return _response(http.HTTPStatus.OK, *static)
         return _response(http.HTTPStatus.NOT_FOUND, "text/plain", b"not found\n")
 
+    def _others_busy(self) -> bool:
+        """A recognizer pass or a reply's synthesis is running: drafts (speculative work) wait."""
+        return self.asr.busy or (self.tts is not None and self.tts.busy)
+
     def models(self) -> dict[str, str | None]:
         return {
             "vad": "silero-vad (onnx)",
@@ -184,6 +193,8 @@ class Server:
                 "busy_s": round(self.tts.stats.busy_s, 3),
                 "audio_s": round(self.tts.stats.audio_s, 3),
                 "rtf": round(self.tts.stats.busy_s / self.tts.stats.audio_s, 4) if self.tts.stats.audio_s else None,
+                "prefetched": self.tts.stats.prefetched,
+                "prefetch_hits": self.tts.stats.prefetch_hits,
             },
         }
 
@@ -331,6 +342,8 @@ class _Connection:
                         lambda audio, r=reply, i=index: self._on_tts_audio(r, i, audio),
                         deadline=time.monotonic() + ahead_s + 0.001 * index,
                     )
+                case cv.PrefetchSpeech(text=text):
+                    server.tts.prefetch(text)
                 case cv.PlayAudio(reply=reply, samples=samples):
                     self.playout.push(reply, samples)  # type: ignore[arg-type]
                     self._audio_wake.set()
@@ -360,6 +373,10 @@ class _Connection:
         if self.conversation is not None:
             self.conversation.p_end_of_turn(p, version)
             self._tick()
+
+    def on_draft(self, texts: list[str]) -> None:  # DialogClient
+        if self.conversation is not None:
+            self._dispatch(self.conversation.draft_text(texts))
 
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
         self.send(protocol.encode_event(ReplySpeculation(reply, drafts, hit, draft_tokens)))

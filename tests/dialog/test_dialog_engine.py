@@ -348,3 +348,19 @@ def test_drafts_only_get_steps_without_real_work(smol) -> None:
     first_draft = kinds.index({"DRAFT"})
     assert all(k == {"NORMAL"} for k in kinds[:first_draft]) and all(k == {"DRAFT"} for k in kinds[first_draft:])
     assert engine.stats["draft_steps"] == len(kinds) - first_draft
+
+
+def test_steps_to_reply_counts_what_is_left_before_the_first_token(smol) -> None:
+    engine = make_engine(smol, max_sessions=3, prefill_chunk=4)
+    sid = engine.open()
+    engine.append_user_text(sid, "Why is the sky blue?")
+    run_until_idle(engine)
+    header = -(-len(engine.tokenizer.encode(engine.format.user_close)) // 4)
+    assert engine.steps_to_reply(sid) == header  # the assistant header's chunks
+    behind = engine.fork(sid, decode_limit=4)
+    engine.append_user_text(behind, " Tell me please, in two sentences or less.")  # more than 4 tokens: 2+ chunks
+    assert engine.steps_to_reply(behind) >= 3
+    engine.start_reply(behind)
+    assert engine.steps_to_reply(behind) >= 3
+    run_until_idle(engine)
+    assert engine.steps_to_reply(behind) == 0 and engine.parked(behind)

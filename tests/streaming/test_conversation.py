@@ -277,3 +277,16 @@ def test_drafts_for_the_settled_text_and_never_while_replying() -> None:
     off = cv.Conversation(TurnConfig(min_silence_ms=1000), TtsConfig())
     say(off, 1, "Tell me a story", p_end=0.001)
     assert off.tick(stream_s=3.0, silence_ms=300, asr_settled=True) == []  # speculation off
+
+
+def test_a_draft_s_first_piece_is_the_reply_s_first_piece() -> None:
+    """What is synthesized ahead for a draft is exactly what the reply sends to TTS first, if adopted."""
+    text = "Paris is the capital of France, and it is lovely."
+    tokens = [text[: i + 1] for i in range(len(text)) if i + 1 == len(text) or text[i + 1] == " "]
+    conv = new()
+    (prefetch,) = conv.draft_text(tokens)
+    assert isinstance(prefetch, cv.PrefetchSpeech)
+    reply = start_reply(conv)
+    first_piece = of(conv.reply_text(reply, tokens, done=True), cv.Synthesize)[0]
+    assert prefetch.text == first_piece.text == "Paris is the"
+    assert conv.draft_text(tokens) == []  # nothing ahead while a reply is under way
