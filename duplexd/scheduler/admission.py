@@ -1,0 +1,82 @@
+"""Online admission control: an AIMD controller over measured lag signals (pure; the shell feeds it).
+
+Per-session state is bounded (a KV slot, a bounded audio ring, bounded queues), so the server's lag grows
+monotonically with the number of sessions, and lag is a usable load signal: every control period the
+controller raises its session limit by `increase` while the p99 of every lag signal stays under its target
+and cuts it by `beta` as soon as one is over (additive increase, multiplicative decrease, as TCP). It
+discovers the schedulable concurrency N* online, and follows it when capacity changes. The KV pool's size
+is a hard ceiling whatever the signals say.
+
+    controller.update({"frame_lag_ms": 35.0, "asr_lag_s": 0.8}, active=5)   # every period
+    controller.admit(active=5)                                              # at each handshake
+
+The limit only gates new sessions: admitted sessions are never dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AimdConfig:
+    targets: Mapping[str, float]
+    """p99 target of each lag signal (e.g. `frame_lag_ms` 200, `asr_lag_s` 2.0)."""
+    initial: float = 4.0
+    increase: float = 1.0
+    """Sessions added to the limit per period while every signal is under target and the limit is in use."""
+    beta: float = 0.7
+    """The limit is multiplied by this when a signal is over target."""
+    floor: float = 1.0
+    """The limit never falls below this (one session always gets in, to keep measuring)."""
+
+    def __post_init__(self) -> None:
+        if not self.targets or any(t <= 0 for t in self.targets.values()):
+            raise ValueError(f"AIMD needs positive lag targets, got {dict(self.targets)}")
+        if not 0.0 < self.beta < 1.0:
+            raise ValueError(f"AIMD beta must be in (0, 1), got {self.beta}")
+        if self.increase <= 0 or self.floor < 1 or self.initial < self.floor:
+            raise ValueError("AIMD needs increase > 0 and 1 <= floor <= initial")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    limit: float
+    over: tuple[str, ...]  # signals over their target this period (empty: none)
+    changed: str  # "increase", "decrease", or "hold"
+
+
+class Aimd:
+    def __init__(self, config: AimdConfig, capacity: int) -> None:
+        self.config = config
+        self.capacity = capacity
+        self.limit = min(config.initial, float(capacity))
+
+    def set_capacity(self, capacity: int) -> None:
+        """The hard ceiling changed (e.g. KV slots taken by other work); the limit follows it down."""
+        self.capacity = capacity
+        self.limit = max(self.config.floor, min(self.limit, float(capacity)))
+
+    @property
+    def sessions(self) -> int:
+        """How many sessions may be active now."""
+        return max(1, min(self.capacity, math.floor(self.limit + 1e-9)))
+
+    def admit(self, active: int) -> bool:
+        return active < self.sessions
+
+    def update(self, p99: Mapping[str, float | None], active: int) -> Decision:
+        """One control period: `p99` of each lag signal over the period (None: no samples), `active`
+        sessions now. Increase only while the limit is in use: an idle server says nothing about capacity."""
+        c = self.config
+        over = tuple(name for name, target in c.targets.items() if (v := p99.get(name)) is not None and v > target)
+        if over:
+            self.limit = max(c.floor, self.limit * c.beta)
+            return Decision(self.limit, over, "decrease")
+        measured = any(p99.get(name) is not None for name in c.targets)
+        if measured and active >= self.sessions and self.limit < self.capacity:
+            self.limit = min(float(self.capacity), self.limit + c.increase)
+            return Decision(self.limit, (), "increase")
+        return Decision(self.limit, (), "hold")

@@ -1,0 +1,76 @@
+"""The AIMD admission controller against a simulated plant whose capacity is known."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from duplexd.scheduler.admission import Aimd, AimdConfig
+
+TARGET_MS = 200.0
+
+
+def plant_p99(active: int, capacity: int) -> float:
+    """A server whose frame lag is flat up to `capacity` sessions and climbs steeply past it."""
+    return 40.0 if active <= capacity else 40.0 * 6.0 ** (active - capacity)  # 240 ms at N* + 1
+
+
+def run(controller: Aimd, capacity_at, periods: int, offered: int) -> list[tuple[int, float]]:
+    """Sessions arrive whenever admitted (up to `offered`); none leave. Admitted sessions are never dropped,
+    but as sessions end and return (here: every period a tenth of them) the limit takes effect."""
+    active, trace = 0, []
+    for t in range(periods):
+        while active < offered and controller.admit(active):
+            active += 1
+        controller.update({"frame_lag_ms": plant_p99(active, capacity_at(t))}, active)
+        trace.append((active, controller.limit))
+        active -= max(1, active // 10)  # churn
+    return trace
+
+
+def test_converges_on_the_plant_s_capacity() -> None:
+    controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS}), capacity=64)
+    trace = run(controller, lambda t: 12, periods=300, offered=40)
+    late = [limit for _, limit in trace[100:]]
+    assert abs(statistics.mean(late) - 12) <= 0.1 * 12  # the AIMD sawtooth settles around N* = 12
+    assert max(active for active, _ in trace[100:]) <= 13  # overshoot is one session, then cut
+
+
+def test_never_admits_past_the_kv_pool() -> None:
+    controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS}, initial=4), capacity=8)
+    trace = run(controller, lambda t: 100, periods=100, offered=50)  # the plant could take far more
+    assert max(active for active, _ in trace) == 8 and max(limit for _, limit in trace) == 8
+    assert not controller.admit(8)
+
+
+def test_follows_a_capacity_drop() -> None:
+    controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS}), capacity=64)
+    trace = run(controller, lambda t: 20 if t < 150 else 6, periods=300, offered=60)
+    before = statistics.mean(limit for _, limit in trace[100:150])
+    after = statistics.mean(limit for _, limit in trace[200:])
+    assert before > 14 and 0.7 * 6 <= after <= 7.5
+
+
+def test_an_idle_server_does_not_raise_its_limit() -> None:
+    controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS}, initial=4), capacity=64)
+    for _ in range(50):
+        assert controller.update({"frame_lag_ms": 20.0}, active=1).changed == "hold"
+        assert controller.update({"frame_lag_ms": None}, active=4).changed == "hold"  # no samples: no news
+    assert controller.limit == 4
+
+
+def test_any_signal_over_target_cuts_the_limit() -> None:
+    controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS, "asr_lag_s": 2.0}, initial=10), capacity=64)
+    decision = controller.update({"frame_lag_ms": 30.0, "asr_lag_s": 3.5}, active=10)
+    assert decision.changed == "decrease" and decision.over == ("asr_lag_s",) and controller.limit == pytest.approx(7)
+    for _ in range(20):
+        controller.update({"frame_lag_ms": 900.0}, active=1)
+    assert controller.limit == 1.0 and controller.admit(0) and not controller.admit(1)  # the floor
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError):
+        AimdConfig({})
+    with pytest.raises(ValueError):
+        AimdConfig({"frame_lag_ms": 200.0}, beta=1.0)
