@@ -178,8 +178,10 @@ class TurnConfig:
     """A pause: after this much silence the recognizer finalizes what was said (one pass over the audio up
     to there; the end of the turn then needs no further pass) and replies are drafted (`[speculation]`).
     Speech that resumes opens a new utterance. 0: finalize only when VAD reports the end of speech."""
-    min_silence_ms: int = 250
-    """Silence that ends a turn the LLM finds complete (P(end of turn) >= p_complete)."""
+    min_silence_ms: int = 500
+    """Silence that ends a turn the LLM finds complete (P(end of turn) >= p_complete). Not below VAD's
+    own end of speech: with utterances finalized at the pause, 250 ms ended turns during mid-sentence
+    pauses whose first half Whisper heard as a sentence ("The birch canoe slid on the screen.")."""
     max_silence_ms: int = 1200
     """Silence that ends a turn the LLM finds incomplete (P(end of turn) <= p_incomplete), or unknown."""
     # Measured with SmolLM2-135M on punctuated Whisper text: finished sentences score 0.002-0.65, sentences
@@ -256,6 +258,34 @@ class SpeculationConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Online admission control (`[admission]`): an AIMD limit on sessions driven by measured lag."""
+
+    enabled: bool = True
+    period_s: float = 1.0
+    """Control period: lags are aggregated (p99) and the limit updated this often."""
+    frame_deadline_ms: float = 200.0
+    """Per-frame deadline: a frame applied later misses it; the limit falls while frame lag p99 is above."""
+    asr_lag_s: float = 3.0
+    """Target for the transcript's lag (age of the oldest speech not yet covered by a recognizer pass)."""
+    initial_sessions: int = 0
+    """The limit at start; 0: the hard capacity (the limit falls on measured overload, then probes up)."""
+    increase: float = 1.0
+    beta: float = 0.7
+    retry_after_ms: int = 2000
+    """Told to refused clients (the `error` message and `/readyz`)."""
+
+    def __post_init__(self) -> None:
+        _require(self.period_s > 0, "admission.period_s", self.period_s, "> 0")
+        _require(self.frame_deadline_ms > 0, "admission.frame_deadline_ms", self.frame_deadline_ms, "> 0")
+        _require(self.asr_lag_s > 0, "admission.asr_lag_s", self.asr_lag_s, "> 0")
+        _require(self.initial_sessions >= 0, "admission.initial_sessions", self.initial_sessions, ">= 0")
+        _require(self.increase > 0, "admission.increase", self.increase, "> 0")
+        _require(0 < self.beta < 1, "admission.beta", self.beta, "in (0, 1)")
+        _require(self.retry_after_ms >= 0, "admission.retry_after_ms", self.retry_after_ms, ">= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     vad: VadConfig = field(default_factory=VadConfig)
@@ -264,6 +294,7 @@ class ServerConfig:
     turn: TurnConfig = field(default_factory=TurnConfig)
     tts: TtsConfig = field(default_factory=TtsConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
 
 def _coerce(value: str, kind: Any, name: str) -> Any:

@@ -20,6 +20,7 @@ from duplexd.errors import ErrorCode
 from duplexd.streaming.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
 
 _FORCE_KEEP_S = 3.0  # when forced to trim, keep this much of the newest audio uncommitted
+_CONTEXT_S = 1.5  # speech that resumes after a pause is decoded with this much of the audio before it
 _SENTENCE_ENDS = (".", "?", "!")
 
 
@@ -38,6 +39,8 @@ class PassRequest:
 @dataclass(slots=True)
 class _Next:
     end: int | None
+    voiced_end_s: float | None = None
+    continues: bool = False  # the same speech resumed after a pause (decode it with the audio before)
 
 
 class AudioRing:
@@ -95,6 +98,8 @@ class StreamingTranscriber:
         self._window_start = 0
         self._decoded_until = 0
         self._final_end: int | None = None
+        self._voiced_end_s: float | None = None  # where VAD last heard speech in the open utterance
+        self._new_from_s: float | None = None  # words before this are context (the previous utterance's)
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
         self._last_partial: tuple[tuple[Word, ...], int] | None = None
         self._in_flight = False
@@ -110,7 +115,8 @@ class StreamingTranscriber:
     def append(self, samples: np.ndarray) -> list[Event]:
         dropped = self._ring.append(samples)
         if not self._active:
-            self._ring.drop_before(self._ring.end - int(self._config.preroll_s * ASR_SAMPLE_RATE))
+            keep_s = self._config.preroll_s + _CONTEXT_S
+            self._ring.drop_before(self._ring.end - int(keep_s * ASR_SAMPLE_RATE))
             return []
         if dropped and self._ring.start > self._window_start:
             # Passes fell so far behind that the bounded ring overflowed: say so (once until the recognizer
@@ -124,39 +130,58 @@ class StreamingTranscriber:
                 return [ErrorRaised(ErrorCode.ASR_BEHIND, f"recognizer fell behind; {lost_s:.2f}s of audio skipped")]
         return []
 
-    def speech_started(self, t_s: float) -> None:
+    def speech_started(self, t_s: float, *, continues: bool = False) -> None:
+        """Speech from `t_s` on. `continues`: the speech that was finalized at a pause goes on (the next
+        utterance is decoded with the audio before it as context, for words cut short of context
+        ("smooth planks" alone came out "moth plinks"); its words from before `t_s` are not repeated)."""
         if not self._active:
-            self._open(max(int(t_s * ASR_SAMPLE_RATE), self._ring.start))
+            # (the ring keeps context while idle; a fresh onset still reaches back only `preroll_s`)
+            floor = self._ring.start if continues else self._ring.end - int(self._config.preroll_s * ASR_SAMPLE_RATE)
+            self._open(max(int(t_s * ASR_SAMPLE_RATE), self._ring.start, floor), continues=continues)
         elif self._final_end is None:
             pass  # still inside the open utterance (its end of speech was not reported)
         elif self._next is None:
-            self._next = _Next(end=None)  # the open utterance keeps its end; this speech is the next one
+            self._next = _Next(end=None, continues=continues)  # the open utterance keeps its end; this is next
         else:
             # The recognizer is more than one utterance behind: the newest speech extends the queued one, so
             # a session never waits on more than two final passes however fast its pauses come.
             self._next.end = None
 
-    def speech_stopped(self, t_s: float) -> None:
+    def speech_stopped(self, t_s: float, voiced_end_s: float | None = None) -> None:
+        """End of speech at `t_s` (with VAD's pad); `voiced_end_s`: the end of the last audio VAD called
+        speech. A final word that only starts after it was made up from silence (Whisper completes a cut-off
+        phrase: "slid on the" + silence -> "slid on the screen.") and is dropped."""
         if not self._active:
             return
         end = min(max(int(t_s * ASR_SAMPLE_RATE), self._window_start), self._ring.end)
         if self._next is not None:
             self._next.end = end
+            self._next.voiced_end_s = voiced_end_s
         else:
             self._final_end = end
+            self._voiced_end_s = voiced_end_s
 
-    def _open(self, start: int) -> None:
+    def _open(self, start: int, *, continues: bool = False) -> None:
         self._active = True
         self._utterance += 1
         self._generation += 1
+        self._new_from_s = start / ASR_SAMPLE_RATE if continues else None
+        if continues:
+            start = max(self._ring.start, start - int(_CONTEXT_S * ASR_SAMPLE_RATE))
         self._window_start = self._decoded_until = start
         self._final_end = None
+        self._voiced_end_s = None
         self._next = None
         self._committed = []
         self._last_partial = None
         self._agreement.reset()
 
     # -- passes --------------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """An utterance is open (its speech is being, or still has to be, transcribed)."""
+        return self._active
 
     def pending_since_s(self) -> float:
         """Stream time of the oldest audio not yet covered by a pass (for fair scheduling)."""
@@ -219,6 +244,8 @@ class StreamingTranscriber:
             return []
         offset_s = request.start_sample / ASR_SAMPLE_RATE
         words = [Word(w.text, w.start_s + offset_s, w.end_s + offset_s) for w in result.words]
+        if self._new_from_s is not None:
+            words = [w for w in words if w.start_s >= self._new_from_s]
         self._decoded_until = max(self._decoded_until, request.end_sample)
         newly = self._agreement.insert(words)
         # A pass already covering everything up to the end of speech is as good as the final pass (the rest
@@ -231,6 +258,8 @@ class StreamingTranscriber:
         return self._partial()
 
     def _finalize(self, newly: list[Word]) -> list[Event]:
+        if self._voiced_end_s is not None:  # (words already committed are out: only the new ones go)
+            newly = [w for w in newly if w.start_s < self._voiced_end_s]
         self._committed.extend(newly)
         words = tuple(self._committed)
         self._remember_prompt(words)
@@ -242,11 +271,12 @@ class StreamingTranscriber:
         self._committed = []
         self._agreement.reset()
         if self._next is not None:  # speech resumed before this final pass: it is the next utterance
-            next_end = self._next.end
-            self._open(end)
+            next_end, next_voiced, continues = self._next.end, self._next.voiced_end_s, self._next.continues
+            self._open(end, continues=continues)
             self._final_end = next_end
+            self._voiced_end_s = next_voiced
         else:
-            self._ring.drop_before(end - int(self._config.preroll_s * ASR_SAMPLE_RATE))
+            self._ring.drop_before(end - int((self._config.preroll_s + _CONTEXT_S) * ASR_SAMPLE_RATE))
         return events
 
     def _partial(self) -> list[Event]:

@@ -53,6 +53,7 @@ class Session:
         self._voiced_run = 0  # consecutive voiced chunks
         self._resume_chunks = max(1, -(-config.vad.min_speech_ms // 32))
         self.lags_ms: deque[float] = deque(maxlen=4096)  # recent per-frame lags, for metrics
+        self._unread_lags: deque[float] = deque(maxlen=4096)  # since the last `drain_lags`
 
     @property
     def stream_s(self) -> float:
@@ -116,12 +117,12 @@ class Session:
                 events.append(change)
             elif isinstance(change, SpeechStopped):
                 if self._paused_at is None:  # (else the utterance already ended at the pause)
-                    self.transcriber.speech_stopped(change.t_s)
+                    self.transcriber.speech_stopped(change.t_s, voiced_end_s=self._last_voice_s)
                 self._paused_at = None
                 events.append(change)
             elif self._paused_at is not None and self._voiced_run >= self._resume_chunks:
                 # Speech resumed before VAD's end of speech: the next utterance starts where the last ended.
-                self.transcriber.speech_started(self._paused_at)
+                self.transcriber.speech_started(self._paused_at, continues=True)
                 self._paused_at = None
             self._maybe_pause()
         events.extend(self._ack(now))
@@ -131,7 +132,7 @@ class Session:
         pause_ms = self._config.turn.pause_ms
         if pause_ms and self._paused_at is None and self._hysteresis.speaking and self.silence_ms >= pause_ms:
             self._paused_at = self.heard_s
-            self.transcriber.speech_stopped(self._paused_at)
+            self.transcriber.speech_stopped(self._paused_at, voiced_end_s=self._last_voice_s)
 
     def _ack(self, now: float) -> list[Event]:
         """Every frame whose chunks are now evaluated is done; ack once `ack_interval_ms` of audio is due."""
@@ -140,6 +141,7 @@ class Session:
             last = self._pending.popleft()
             lag_ms = 1000.0 * (now - last.arrived)
             self.lags_ms.append(lag_ms)
+            self._unread_lags.append(lag_ms)
             self.frames += 1
             self._worst_lag_ms = max(self._worst_lag_ms, lag_ms)
             self._since_ack_ms += last.audio_ms
@@ -149,6 +151,20 @@ class Session:
         self._since_ack_ms = 0.0
         self._worst_lag_ms = 0.0
         return [acked]
+
+    def drain_lags(self) -> list[float]:
+        """Frame lags (ms) since the last call (the admission controller's period)."""
+        lags = list(self._unread_lags)
+        self._unread_lags.clear()
+        return lags
+
+    @property
+    def asr_lag_s(self) -> float:
+        """How far the transcript is behind: the age (in stream time) of the oldest speech no recognizer
+        pass has covered yet; 0 while no utterance is open."""
+        if not self.transcriber.active:
+            return 0.0
+        return max(0.0, self.heard_s - self.transcriber.pending_since_s())
 
     def end_of_stream(self) -> None:
         """No more audio: an open utterance gets its final pass over what was heard."""

@@ -77,7 +77,9 @@ async def test_a_mid_sentence_pause_does_not_end_the_turn(make_server, clip_by_n
     turns = result.of_type("turn.ended")
     assert len(turns) == 1, [t.event for t in turns]
     text = turns[0].event["text"].lower()
-    assert "canoe" in text and "planks" in text  # both halves in one turn
+    # Both halves in one turn (any of each half's words: Whisper tiny hears "birch canoe" as "bridge can"
+    # now and then, and this test is about turn taking).
+    assert {"canoe", "slid"} & set(text.split()) and {"smooth", "planks", "planks."} & set(text.split()), text
     assert turns[0].t > result.wall_time(0.5 + resumes_s)
     finals = result.of_type("transcript.final")
     assert len(finals) >= 1

@@ -30,7 +30,7 @@ def of(outputs: list[cv.Output], kind: type) -> list:
 
 
 def new() -> cv.Conversation:
-    return cv.Conversation(TurnConfig(), TtsConfig(first_words=3))
+    return cv.Conversation(TurnConfig(min_silence_ms=250), TtsConfig(first_words=3))
 
 
 def say(conv: cv.Conversation, utt: int, text: str, *, p_end: float = 0.5) -> list[cv.Output]:
