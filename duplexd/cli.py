@@ -140,6 +140,14 @@ def _cmd_stream(args: argparse.Namespace) -> int:
     return 0 if result.close_code in (None, 1000) else 1
 
 
+def _cmd_loadtest(args: argparse.Namespace) -> int:
+    from duplexd.clients import loadtest
+
+    if args.sessions < 1 or args.duration <= 0:
+        raise SystemExit("--sessions must be >= 1 and --duration > 0")
+    return loadtest.main(args)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from duplexd.bench import asr as bench_asr
 
@@ -252,6 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
     p.add_argument("--config", type=Path, default=None)
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("loadtest", help="many real-time voice users against one server; JSON + HTML report")
+    p.add_argument("--url", default="ws://127.0.0.1:8000/v1/stream")
+    p.add_argument("--sessions", type=int, required=True, help="simulated users, each on its own session")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds each user talks and listens")
+    p.add_argument("--ramp", action="store_true", help="start users spread over the first half of the run")
+    p.add_argument(
+        "--clips", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
+    )
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=_cmd_loadtest)
 
     p = sub.add_parser("chat", help="talk to the dialog engine in the terminal (text only)")
     p.add_argument("--config", type=Path, default=None, help="TOML config file (its [dialog] section)")

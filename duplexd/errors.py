@@ -43,7 +43,12 @@ class ProtocolError(DuplexdError):
 
 
 class Overloaded(DuplexdError):
-    """The server cannot take more work right now; the client may retry later."""
+    """The server cannot take more work right now; the client may retry later (after `retry_after_ms`,
+    when the server knows)."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class EngineError(DuplexdError):

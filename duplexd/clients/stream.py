@@ -52,6 +52,14 @@ class StreamResult:
         return " ".join(f["text"] for f in self.finals).strip()
 
 
+class SessionRefused(RuntimeError):
+    """The server answered `session.start` with an error (`reply`), e.g. `overloaded` + `retry_after_ms`."""
+
+    def __init__(self, reply: dict[str, Any]) -> None:
+        super().__init__(f"session refused: {reply}")
+        self.reply = reply
+
+
 class StreamClient:
     def __init__(self, ws: ClientConnection) -> None:
         self.ws = ws
@@ -67,7 +75,7 @@ class StreamClient:
         )
         reply = json.loads(await self.ws.recv())
         if reply.get("type") != "session.started":
-            raise RuntimeError(f"session refused: {reply}")
+            raise SessionRefused(reply)
         return reply
 
     async def send_pcm(self, pcm: bytes) -> None:

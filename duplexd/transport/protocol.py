@@ -228,8 +228,8 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
     raise TypeError(f"no wire encoding for {type(event).__name__}")
 
 
-def error_message(code: ErrorCode, message: str) -> dict[str, Any]:
-    return {"type": ServerType.ERROR, "code": str(code), "message": message}
+def error_message(code: ErrorCode, message: str, **extra: Any) -> dict[str, Any]:
+    return {"type": ServerType.ERROR, "code": str(code), "message": message, **extra}
 
 
 def dumps(msg: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from duplexd.asr.vad import SileroVad
 from duplexd.config import ServerConfig
 from duplexd.dialog.engine import DialogEngine
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
+from duplexd.scheduler.admission import Aimd, AimdConfig
 from duplexd.scheduler.dialog import DialogWorker
 from duplexd.scheduler.tts import TtsWorker
 from duplexd.scheduler.workers import AsrScheduler, VadWorker
@@ -39,6 +40,8 @@ from duplexd.streaming.events import Event, ReplySpeculation
 from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
 from duplexd.transport import protocol
+from duplexd.transport.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from duplexd.transport.metrics import Metrics
 from duplexd.transport.protocol import Limits, ServerType
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE, TtsEngine
 
@@ -101,6 +104,19 @@ class Server:
         self.tts = TtsWorker(engines.tts) if engines.dialog and engines.tts else None
         self.sessions: dict[str, Session] = {}
         self.counters = {"connections": 0, "sessions": 0, "protocol_errors": 0, "refused": 0}
+        a = config.admission
+        capacity = t.max_sessions if self.dialog is None else min(t.max_sessions, config.dialog.max_sessions)
+        self.admission = Aimd(
+            AimdConfig(
+                {"frame_lag_ms": a.frame_deadline_ms, "asr_lag_s": a.asr_lag_s},
+                initial=float(a.initial_sessions or capacity),
+                increase=a.increase,
+                beta=a.beta,
+            ),
+            capacity,
+        )
+        self.metrics = Metrics()
+        self._asr_passes_seen = 0
         self._ws: WsServer | None = None
         self._started = time.monotonic()
 
@@ -114,7 +130,11 @@ class Server:
         t = self.config.transport
         try:
             async with asyncio.TaskGroup() as tg:
-                workers = [tg.create_task(self.vad.run()), tg.create_task(self.asr.run())]
+                workers = [
+                    tg.create_task(self.vad.run()),
+                    tg.create_task(self.asr.run()),
+                    tg.create_task(self._control_loop()),
+                ]
                 if self.dialog is not None and self.tts is not None:
                     workers += [tg.create_task(self.dialog.run()), tg.create_task(self.tts.run())]
                 async with serve(
@@ -149,12 +169,76 @@ class Server:
             return None  # go on with the WebSocket handshake
         if path == "/healthz":
             return _response(http.HTTPStatus.OK, "application/json", json.dumps(self.health()).encode())
+        if path == "/readyz":
+            ready = self.admits()
+            body = {
+                "ready": ready,
+                "sessions": len(self.sessions),
+                "limit": self.admission.sessions,
+                **({} if ready else {"retry_after_ms": self.config.admission.retry_after_ms}),
+            }
+            status = http.HTTPStatus.OK if ready else http.HTTPStatus.SERVICE_UNAVAILABLE
+            return _response(status, "application/json", json.dumps(body).encode())
+        if path == "/metrics":
+            self._collect()
+            return _response(http.HTTPStatus.OK, METRICS_CONTENT_TYPE, self.metrics.render())
         if path == "/":
             path = "/index.html"
         static = _static_file(path)
         if static is not None:
             return _response(http.HTTPStatus.OK, *static)
         return _response(http.HTTPStatus.NOT_FOUND, "text/plain", b"not found\n")
+
+    # -- admission and metrics ----------------------------------------------------------------------
+
+    def admits(self) -> bool:
+        """A new session would be admitted now (below the hard limit and, if enabled, the AIMD limit)."""
+        n = len(self.sessions)
+        if n >= self.config.transport.max_sessions:
+            return False
+        return not self.config.admission.enabled or self.admission.admit(n)
+
+    def _collect(self) -> dict[str, float | None]:
+        """Drain every session's lag samples into the metrics; returns this period's load signals."""
+        m, deadline = self.metrics, self.config.admission.frame_deadline_ms
+        lags: list[float] = []
+        for session in self.sessions.values():
+            lags.extend(session.drain_lags())
+        m.frame_lags(lags, deadline)
+        asr_lag = max((s.asr_lag_s for s in self.sessions.values()), default=0.0)
+        m.asr_lag.set(asr_lag)
+        m.sessions_active.set(len(self.sessions))
+        m.admission_limit.set(self.admission.sessions)
+        stats = self.asr.stats
+        new = min(stats.passes - self._asr_passes_seen, len(stats.recent_pass_s))
+        for elapsed in list(stats.recent_pass_s)[len(stats.recent_pass_s) - new :]:
+            m.asr_pass.observe(elapsed)
+        self._asr_passes_seen = stats.passes
+        if self.dialog is not None:
+            engine = self.dialog.engine
+            m.mirror(m.llm_steps, "llm_steps", engine.stats["steps"])
+            m.mirror(m.llm_busy, "llm_busy", engine.stats["busy_s"])
+            m.kv_slots.set(engine.pool.slots)
+            m.kv_slots_used.set(engine.pool.slots - engine.pool.free)
+            m.speculation_hit_ratio.set(self.dialog.stats.as_dict()["hit_rate"])
+        if self.tts is not None:
+            m.mirror(m.tts_busy, "tts_busy", self.tts.stats.busy_s)
+        lags.sort()
+        return {
+            "frame_lag_ms": lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None,
+            "asr_lag_s": asr_lag if self.sessions else None,
+        }
+
+    async def _control_loop(self) -> None:
+        """Every period: the load signals into the metrics and the admission controller."""
+        a = self.config.admission
+        while True:
+            await asyncio.sleep(a.period_s)
+            signals = self._collect()
+            if a.enabled:
+                decision = self.admission.update(signals, active=len(self.sessions))
+                if decision.changed == "decrease":
+                    log.info("admission: limit %.1f (over target: %s)", decision.limit, ", ".join(decision.over))
 
     def _others_busy(self) -> bool:
         """A recognizer pass or a reply's synthesis is running: drafts (speculative work) wait."""
@@ -184,6 +268,12 @@ class Server:
                 "pass_p50_s": round(recent[len(recent) // 2], 3) if recent else None,
             },
             "counters": dict(self.counters),
+            "admission": {
+                "enabled": self.config.admission.enabled,
+                "limit": self.admission.sessions,
+                "capacity": self.admission.capacity,
+                "ready": self.admits(),
+            },
             "llm": None if self.dialog is None else _rounded(self.dialog.engine.stats),
             "speculation": None if self.dialog is None else self.dialog.stats.as_dict(),
             "tts": None
@@ -426,7 +516,8 @@ class _Connection:
             except ProtocolError as exc:
                 self._on_protocol_error(exc)
             except Overloaded as exc:
-                self.send(protocol.error_message(ErrorCode.OVERLOADED, str(exc)))
+                extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
+                self.send(protocol.error_message(ErrorCode.OVERLOADED, str(exc), **extra))
                 raise _Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
 
     def _on_protocol_error(self, exc: ProtocolError) -> None:
@@ -476,9 +567,11 @@ class _Connection:
 
     async def _start(self, msg: protocol.SessionStart) -> None:
         server = self.server
-        if len(server.sessions) >= server.config.transport.max_sessions:
+        if not server.admits():
             server.counters["refused"] += 1
-            raise Overloaded(f"server is full ({len(server.sessions)} sessions)")
+            server.metrics.sessions_refused.inc()
+            retry = server.config.admission.retry_after_ms
+            raise Overloaded(f"server is full ({len(server.sessions)} sessions)", retry_after_ms=retry)
         dialog = msg.dialog and server.dialog is not None
         session = Session(uuid.uuid4().hex, msg.sample_rate, server.config)
         if dialog:
@@ -491,6 +584,7 @@ class _Connection:
         self.session = session
         server.sessions[session.id] = session
         server.counters["sessions"] += 1
+        server.metrics.sessions_admitted.inc()
         server.asr.register(session, self.emit)
         t = server.config.transport
         self.send(

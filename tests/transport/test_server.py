@@ -5,49 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from wire import START
+from wire import expect_close as _expect_close
+from wire import get as _get
+from wire import recv_json as _recv_json
 
 from duplexd.config import ServerConfig, TransportConfig
 from duplexd.transport.protocol import BINARY_HEADER, encode_audio_frame
 
 pytestmark = pytest.mark.slow
 
-START = json.dumps({"type": "session.start", "version": 1, "sample_rate": 16000})
 SILENCE_20MS = np.zeros(320, "<i2").tobytes()
-
-
-def _get(url: str) -> tuple[int, str, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, r.headers["Content-Type"], r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers["Content-Type"], e.read()
-
-
-async def _recv_json(ws) -> dict:
-    while True:
-        msg = await asyncio.wait_for(ws.recv(), 10)
-        if isinstance(msg, str):
-            return json.loads(msg)
-
-
-async def _expect_close(ws) -> tuple[int, list[dict]]:
-    """Read until the server closes; returns the close code and the JSON events before it."""
-    events = []
-    try:
-        while True:
-            msg = await asyncio.wait_for(ws.recv(), 10)
-            if isinstance(msg, str):
-                events.append(json.loads(msg))
-    except ConnectionClosed:
-        pass
-    return ws.close_code, events
 
 
 async def test_http_routes(make_server) -> None:

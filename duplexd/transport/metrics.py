@@ -1,0 +1,63 @@
+"""`/metrics` in Prometheus' text format (prometheus-client), one registry per server.
+
+Counters that the workers keep as running totals (ASR passes, LLM steps, TTS pieces) are mirrored by the
+control loop every period, so the hot paths carry no metrics code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LAG_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_PASS_BUCKETS_S = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.sessions_active = Gauge("duplexd_sessions_active", "Sessions streaming now", registry=r)
+        self.sessions_admitted = Counter("duplexd_sessions_admitted", "Sessions admitted", registry=r)
+        self.sessions_refused = Counter("duplexd_sessions_refused", "Sessions refused (full)", registry=r)
+        self.admission_limit = Gauge("duplexd_admission_limit", "Sessions the controller admits now", registry=r)
+        self.frame_lag = Histogram(
+            "duplexd_frame_lag_seconds",
+            "Frame arrival to applied (VAD run, events queued)",
+            buckets=_LAG_BUCKETS_S,
+            registry=r,
+        )
+        self.deadline_misses = Counter(
+            "duplexd_frame_deadline_misses", "Frames applied after their deadline", registry=r
+        )
+        self.asr_lag = Gauge("duplexd_asr_lag_seconds", "Worst transcript lag over sessions (last period)", registry=r)
+        self.asr_pass = Histogram(
+            "duplexd_asr_pass_seconds", "Recognizer pass time", buckets=_PASS_BUCKETS_S, registry=r
+        )
+        self.llm_steps = Counter("duplexd_llm_steps", "Dialog engine steps", registry=r)
+        self.llm_busy = Counter("duplexd_llm_busy_seconds", "Dialog engine busy time", registry=r)
+        self.kv_slots_used = Gauge("duplexd_kv_slots_used", "KV slots in use (conversations, drafts)", registry=r)
+        self.kv_slots = Gauge("duplexd_kv_slots", "KV pool slots in all", registry=r)
+        self.tts_busy = Counter("duplexd_tts_busy_seconds", "Speech synthesis busy time", registry=r)
+        self.speculation_hit_ratio = Gauge(
+            "duplexd_speculation_hit_ratio", "Turns that used a draft, of turns with drafts", registry=r
+        )
+        self._mirrored: dict[str, float] = {}
+
+    def frame_lags(self, lags_ms: Iterable[float], deadline_ms: float) -> None:
+        for lag in lags_ms:
+            self.frame_lag.observe(lag / 1000.0)
+            if lag > deadline_ms:
+                self.deadline_misses.inc()
+
+    def mirror(self, counter: Counter, name: str, total: float) -> None:
+        """Advance `counter` to a worker's running `total`."""
+        delta = total - self._mirrored.get(name, 0.0)
+        if delta > 0:
+            counter.inc(delta)
+        self._mirrored[name] = max(total, self._mirrored.get(name, 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
