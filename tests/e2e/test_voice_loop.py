@@ -76,13 +76,15 @@ async def test_a_mid_sentence_pause_does_not_end_the_turn(make_server, clip_by_n
     result = await converse_pcm(srv.url, audio, sc.RATE, max_s=90)
     turns = result.of_type("turn.ended")
     assert len(turns) == 1, [t.event for t in turns]
-    text = turns[0].event["text"].lower()
-    # Both halves in one turn (any of each half's words: Whisper tiny hears "birch canoe" as "bridge can"
-    # now and then, and this test is about turn taking).
-    assert {"canoe", "slid"} & set(text.split()) and {"smooth", "planks", "planks."} & set(text.split()), text
     assert turns[0].t > result.wall_time(0.5 + resumes_s)
-    finals = result.of_type("transcript.final")
-    assert len(finals) >= 1
+    # Both halves in one turn: what was said before the pause and what was said after it (compared as the
+    # recognizer heard them: Whisper tiny's words for this clip vary from run to run).
+    resumed = 0.5 + resumes_s - 0.3
+    finals = [f.event for f in result.of_type("transcript.final")]
+    before = [f["text"] for f in finals if f["words"] and f["words"][0]["start"] < resumed]
+    after = [f["text"] for f in finals if f["words"] and f["words"][-1]["end"] > resumed + 0.3]
+    text = turns[0].event["text"]
+    assert before and after and before[0] in text and after[-1] in text, (finals, text)
 
 
 async def test_talking_over_the_reply_interrupts_it(make_server, clip_by_name) -> None:
