@@ -178,10 +178,11 @@ class TurnConfig:
     """A pause: after this much silence the recognizer finalizes what was said (one pass over the audio up
     to there; the end of the turn then needs no further pass) and replies are drafted (`[speculation]`).
     Speech that resumes opens a new utterance. 0: finalize only when VAD reports the end of speech."""
-    min_silence_ms: int = 500
-    """Silence that ends a turn the LLM finds complete (P(end of turn) >= p_complete). Not below VAD's
-    own end of speech: with utterances finalized at the pause, 250 ms ended turns during mid-sentence
-    pauses whose first half Whisper heard as a sentence ("The birch canoe slid on the screen.")."""
+    min_silence_ms: int = 800
+    """Silence that ends a turn the LLM finds complete (P(end of turn) >= p_complete). With utterances
+    finalized at the pause, the first half of a sentence is final and scored within ~0.65 s here, and
+    when Whisper punctuates it as a sentence 250 ms (and 500 ms) ended turns inside 0.7 s mid-sentence
+    pauses; speculation drafts the reply during this wait."""
     max_silence_ms: int = 1200
     """Silence that ends a turn the LLM finds incomplete (P(end of turn) <= p_incomplete), or unknown."""
     # Measured with SmolLM2-135M on punctuated Whisper text: finished sentences score 0.002-0.65, sentences

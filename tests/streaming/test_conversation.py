@@ -249,7 +249,7 @@ def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
 
 
 def test_a_pause_drafts_the_reply_for_the_words_the_final_pass_will_most_likely_give() -> None:
-    conv = cv.Conversation(TurnConfig(), TtsConfig(), speculate=True)
+    conv = cv.Conversation(TurnConfig(min_silence_ms=500), TtsConfig(), speculate=True)
     w = words("what is the capital of France?")
     (first,) = of(conv.observe([TranscriptUpdated(1, w, 3)]), cv.AppendUserText)  # "what is the" committed
     assert first.text == "what is the"
