@@ -199,6 +199,9 @@ class DialogEngine:
         )
         self.rope = RopeTable(mc.head_dim, mc.rope_theta, cached=max(8192, mc.context_length))
         self.format = ChatFormat.from_tokenizer(tokenizer, self.config.system_prompt)
+        # (token counts of the turn markers, for `steps_to_reply`, which runs after every step)
+        self._user_open_len = len(tokenizer.encode(self.format.user_open))
+        self._user_close_len = len(tokenizer.encode(self.format.user_close))
         self._group = mc.n_heads // mc.n_kv_heads
         self._sessions: dict[int, _Session] = {}
         self._ids = itertools.count(1)
@@ -303,8 +306,8 @@ class DialogEngine:
         steps = sum(len(_chunks(cut, chunk)) for cut in session.cuts)
         if session.replying:
             return steps
-        header = len(_chunks(len(self.tokenizer.encode(self.format.user_close)), chunk))
-        opening = 0 if session.user_open else len(_chunks(len(self.tokenizer.encode(self.format.user_open)), chunk))
+        header = len(_chunks(self._user_close_len, chunk))
+        opening = 0 if session.user_open else len(_chunks(self._user_open_len, chunk))
         return steps + header + opening
 
     def parked(self, sid: int) -> bool:
