@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import time
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from duplexd.bench import write_result
 from duplexd.bench.data import Clip, load_clips, wer
 from duplexd.bench.latency import WordTiming, percentile, word_timings
 from duplexd.bench.server import health, server_process
@@ -220,7 +220,5 @@ def table(r: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> int:
     streams = tuple(int(n) for n in args.streams.split(","))
     result = run(args.data, args.config, args.quick, streams, per_clip=not args.no_per_clip)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    print(f"wrote {args.out}")
+    write_result(args.out, result, table(result))
     return 0

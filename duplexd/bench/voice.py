@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import time
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from duplexd.bench import scenarios as sc
+from duplexd.bench import write_result
 from duplexd.bench.data import Clip, load_clips
 from duplexd.bench.latency import percentile
 from duplexd.bench.server import health, server_process
@@ -207,7 +207,5 @@ def table(result: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     result = run(args.data, args.config, args.quick)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    print(f"wrote {args.out}")
+    write_result(args.out, result, table(result))
     return 0
