@@ -313,7 +313,7 @@ class DialogEngine:
     def parked(self, sid: int) -> bool:
         """A draft that reached its decode limit (or finished its reply) and waits to be adopted or freed."""
         session = self._get(sid)
-        return session.decode_limit is not None and (not session.replying or len(session.reply) >= session.decode_limit)
+        return session.decode_limit is not None and (not session.replying or _at_limit(session))
 
     @property
     def sessions(self) -> int:
@@ -347,9 +347,7 @@ class DialogEngine:
         return any(self._has_work(s) for s in self._sessions.values() if drafts or s.priority is Priority.NORMAL)
 
     def _has_work(self, s: _Session) -> bool:
-        if not s.pending:
-            return False
-        return s.decode_limit is None or not (s.replying and s.reply and len(s.reply) >= s.decode_limit)
+        return bool(s.pending) and not (s.replying and _at_limit(s))
 
     # --- the duplex API -------------------------------------------------------------------------------
 
@@ -555,6 +553,11 @@ def _queue(session: _Session, ids: Sequence[int]) -> None:
     if ids:
         session.pending.extend(ids)
         session.cuts.append(len(ids))
+
+
+def _at_limit(session: _Session) -> bool:
+    """A draft has decoded as many reply tokens as it may."""
+    return session.decode_limit is not None and len(session.reply) >= session.decode_limit
 
 
 def _chunks(n: int, size: int) -> list[int]:
