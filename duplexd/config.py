@@ -269,6 +269,9 @@ class AdmissionConfig:
     """Per-frame deadline: a frame applied later misses it; the limit falls while frame lag p99 is above."""
     asr_lag_s: float = 3.0
     """Target for the transcript's lag (age of the oldest speech not yet covered by a recognizer pass)."""
+    reply_lag_s: float = 1.5
+    """Target for the reply's lag: how long a user has waited for reply audio they are owed (from the end of
+    their turn to its first audio, then any gap in it)."""
     initial_sessions: int = 0
     """The limit at start; 0: the hard capacity (the limit falls on measured overload, then probes up)."""
     increase: float = 1.0
@@ -280,6 +283,7 @@ class AdmissionConfig:
         _require(self.period_s > 0, "admission.period_s", self.period_s, "> 0")
         _require(self.frame_deadline_ms > 0, "admission.frame_deadline_ms", self.frame_deadline_ms, "> 0")
         _require(self.asr_lag_s > 0, "admission.asr_lag_s", self.asr_lag_s, "> 0")
+        _require(self.reply_lag_s > 0, "admission.reply_lag_s", self.reply_lag_s, "> 0")
         _require(self.initial_sessions >= 0, "admission.initial_sessions", self.initial_sessions, ">= 0")
         _require(self.increase > 0, "admission.increase", self.increase, "> 0")
         _require(0 < self.beta < 1, "admission.beta", self.beta, "in (0, 1)")

@@ -199,13 +199,20 @@ class StreamingTranscriber:
             return True
         return self._ring.end - self._decoded_until >= self._config.min_new_audio_s * ASR_SAMPLE_RATE
 
+    def _next_end(self) -> tuple[int, bool]:
+        """Where the next pass would end, and whether it would be the utterance's final one."""
+        end = self._ring.end if self._final_end is None else self._final_end
+        limit = self._window_start + int(self._config.max_window_s * ASR_SAMPLE_RATE)
+        return min(end, limit), self._final_end is not None and end <= limit
+
+    def next_window_s(self) -> float:
+        """Seconds of audio the next pass would transcribe (its cost, for the ASR scheduler)."""
+        return max(0, self._next_end()[0] - self._window_start) / ASR_SAMPLE_RATE
+
     def prepare_pass(self) -> PassRequest:
         if not self.wants_pass():
             raise RuntimeError("prepare_pass() called with no pass due")
-        end = self._ring.end if self._final_end is None else self._final_end
-        limit = self._window_start + int(self._config.max_window_s * ASR_SAMPLE_RATE)
-        final = self._final_end is not None and end <= limit
-        end = min(end, limit)
+        end, final = self._next_end()
         self._in_flight = True
         return PassRequest(
             audio=self._ring.read(self._window_start, end),

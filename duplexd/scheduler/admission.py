@@ -3,7 +3,10 @@
 Per-session state is bounded (a KV slot, a bounded audio ring, bounded queues), so the server's lag grows
 monotonically with the number of sessions, and lag is a usable load signal: every control period the
 controller raises its session limit by `increase` while the p99 of every lag signal stays under its target
-and cuts it by `beta` as soon as one is over (additive increase, multiplicative decrease, as TCP). It
+and cuts it to `beta` times the sessions that overloaded it as soon as one is over (additive increase,
+multiplicative decrease, as TCP). A limit already below the active sessions is not cut again: admitted
+sessions are never dropped, so the overload lasts until enough of them leave, and cutting on every period
+meanwhile would drive the limit to the floor. It
 discovers the schedulable concurrency N* online, and follows it when capacity changes. The KV pool's size
 is a hard ceiling whatever the signals say.
 
@@ -73,7 +76,9 @@ class Aimd:
         c = self.config
         over = tuple(name for name, target in c.targets.items() if (v := p99.get(name)) is not None and v > target)
         if over:
-            self.limit = max(c.floor, self.limit * c.beta)
+            if self.sessions < active:  # already refusing: the overload ends as admitted sessions leave
+                return Decision(self.limit, over, "hold")
+            self.limit = max(c.floor, c.beta * min(self.limit, float(active)))
             return Decision(self.limit, over, "decrease")
         measured = any(p99.get(name) is not None for name in c.targets)
         if measured and active >= self.sessions and self.limit < self.capacity:

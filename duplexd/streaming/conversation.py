@@ -446,6 +446,15 @@ class Conversation:
         return self._reply is not None
 
     @property
+    def starved(self) -> bool:
+        """The user is owed reply audio that does not exist yet: the turn has ended (or the reply has begun)
+        and the client has played everything synthesized so far. Decode or synthesis is behind playback."""
+        r = self._reply
+        if r is None or r.audio_ended:
+            return False
+        return r.start_sample is None or self._played_samples >= r.start_sample + r.samples
+
+    @property
     def phase(self) -> Phase:
         return Phase.REPLYING if self._reply is not None else Phase.LISTENING
 

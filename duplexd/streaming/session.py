@@ -54,6 +54,8 @@ class Session:
         self._resume_chunks = max(1, -(-config.vad.min_speech_ms // 32))
         self.lags_ms: deque[float] = deque(maxlen=4096)  # recent per-frame lags, for metrics
         self._unread_lags: deque[float] = deque(maxlen=4096)  # since the last `drain_lags`
+        self._starved_since: float | None = None  # owed reply audio has been missing since then
+        self.underrun_s = 0.0  # total time the user waited for owed reply audio
 
     @property
     def stream_s(self) -> float:
@@ -166,6 +168,19 @@ class Session:
             return 0.0
         return max(0.0, self.heard_s - self.transcriber.pending_since_s())
 
+    def note_reply_audio(self, starved: bool, now: float) -> None:
+        """Whether the user is waiting for owed reply audio now (`Conversation.starved`), from the shell."""
+        if starved and self._starved_since is None:
+            self._starved_since = now
+        elif not starved and self._starved_since is not None:
+            self.underrun_s += now - self._starved_since
+            self._starved_since = None
+
+    def reply_lag_s(self, now: float) -> float:
+        """How far the reply is behind playback: how long the user has been waiting for audio they are owed
+        (from the end of their turn to the first audio, then any gap between pieces); 0 when nothing is owed."""
+        return 0.0 if self._starved_since is None else now - self._starved_since
+
     def end_of_stream(self) -> None:
         """No more audio: an open utterance gets its final pass over what was heard."""
         if self._hysteresis.speaking and self._paused_at is None:
@@ -187,6 +202,9 @@ class Session:
 
     def pending_since_s(self) -> float:
         return self.transcriber.pending_since_s()
+
+    def next_window_s(self) -> float:
+        return self.transcriber.next_window_s()
 
     def prepare_pass(self) -> PassRequest:
         return self.transcriber.prepare_pass()

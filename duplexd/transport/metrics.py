@@ -33,6 +33,12 @@ class Metrics:
             "duplexd_frame_deadline_misses", "Frames applied after their deadline", registry=r
         )
         self.asr_lag = Gauge("duplexd_asr_lag_seconds", "Worst transcript lag over sessions (last period)", registry=r)
+        self.reply_lag = Gauge(
+            "duplexd_reply_lag_seconds", "Longest wait for owed reply audio over sessions (now)", registry=r
+        )
+        self.underrun = Counter(
+            "duplexd_reply_underrun_seconds", "Time users waited for owed reply audio, all sessions", registry=r
+        )
         self.asr_pass = Histogram(
             "duplexd_asr_pass_seconds", "Recognizer pass time", buckets=_PASS_BUCKETS_S, registry=r
         )

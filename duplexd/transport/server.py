@@ -108,7 +108,7 @@ class Server:
         capacity = t.max_sessions if self.dialog is None else min(t.max_sessions, config.dialog.max_sessions)
         self.admission = Aimd(
             AimdConfig(
-                {"frame_lag_ms": a.frame_deadline_ms, "asr_lag_s": a.asr_lag_s},
+                {"frame_lag_ms": a.frame_deadline_ms, "asr_lag_s": a.asr_lag_s, "reply_lag_s": a.reply_lag_s},
                 initial=float(a.initial_sessions or capacity),
                 increase=a.increase,
                 beta=a.beta,
@@ -117,6 +117,7 @@ class Server:
         )
         self.metrics = Metrics()
         self._asr_passes_seen = 0
+        self.underrun_closed_s = 0.0  # reply underrun of sessions that have ended
         self._ws: WsServer | None = None
         self._started = time.monotonic()
 
@@ -207,6 +208,10 @@ class Server:
         m.frame_lags(lags, deadline)
         asr_lag = max((s.asr_lag_s for s in self.sessions.values()), default=0.0)
         m.asr_lag.set(asr_lag)
+        now = time.monotonic()
+        reply_lag = max((s.reply_lag_s(now) for s in self.sessions.values()), default=0.0)
+        m.reply_lag.set(reply_lag)
+        m.mirror(m.underrun, "underrun", self.underrun_closed_s + sum(s.underrun_s for s in self.sessions.values()))
         m.sessions_active.set(len(self.sessions))
         m.admission_limit.set(self.admission.sessions)
         stats = self.asr.stats
@@ -227,6 +232,7 @@ class Server:
         return {
             "frame_lag_ms": lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None,
             "asr_lag_s": asr_lag if self.sessions else None,
+            "reply_lag_s": reply_lag if self.dialog is not None and self.sessions else None,
         }
 
     async def _control_loop(self) -> None:
@@ -266,6 +272,8 @@ class Server:
                 "busy_s": round(stats.busy_s, 3),
                 "window_audio_s": round(stats.audio_s, 3),
                 "pass_p50_s": round(recent[len(recent) // 2], 3) if recent else None,
+                "pass_cost": {"fixed_s": round(self.asr.cost.fixed_s, 3), "per_audio_s": round(self.asr.cost.per_s, 4)},
+                "contested_choices": sum(len(c.ratios) > 1 for c in self.asr.schedule),
             },
             "counters": dict(self.counters),
             "admission": {
@@ -370,6 +378,8 @@ class _Connection:
             server = self.server
             server.asr.unregister(self.session)
             server.sessions.pop(self.session.id, None)
+            self.session.note_reply_audio(False, time.monotonic())
+            server.underrun_closed_s += self.session.underrun_s
             if self.dialog_sid is not None and server.dialog is not None:
                 server.dialog.close(self.dialog_sid)
             if self.conversation is not None and server.tts is not None:
@@ -450,6 +460,7 @@ class _Connection:
                         self._reported = (self.playout.sent, time.monotonic())
                 case _:
                     self.send(protocol.encode_event(out))
+        session.note_reply_audio(conv.starved, time.monotonic())
 
     def _on_tts_audio(self, reply: int, index: int, audio: np.ndarray) -> None:
         if self.conversation is not None:

@@ -66,6 +66,10 @@ async def test_a_question_gets_a_spoken_reply(make_server, clip_by_name) -> None
     assert first_audio > result.of_type("turn.ended")[0].t
     assert result.played_samples == len(audio)
     assert [a.seq for a in result.audio] == list(range(1, len(result.audio) + 1))
+    # The reply-lag signal counted the wait from the end of the turn to the first audio (and any gaps).
+    underrun = srv.server.underrun_closed_s + sum(s.underrun_s for s in srv.server.sessions.values())
+    waited = first_audio - result.of_type("turn.ended")[0].t
+    assert 0.5 * waited <= underrun <= waited + 2.0, (underrun, waited)
 
 
 async def test_a_mid_sentence_pause_does_not_end_the_turn(make_server, clip_by_name) -> None:

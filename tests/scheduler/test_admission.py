@@ -74,3 +74,16 @@ def test_config_is_validated() -> None:
         AimdConfig({})
     with pytest.raises(ValueError):
         AimdConfig({"frame_lag_ms": 200.0}, beta=1.0)
+
+
+def test_a_limit_already_below_the_active_sessions_is_not_cut_again() -> None:
+    """Admitted sessions stay, so an overload outlasts the cut that answered it: the limit drops once to
+    beta x the sessions that caused it, then waits for sessions to leave instead of sinking to the floor."""
+    controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS}), capacity=16)  # starts at the hard capacity
+    assert controller.update({"frame_lag_ms": 900.0}, active=4).changed == "decrease"
+    assert controller.limit == pytest.approx(2.8)  # 0.7 x the 4 sessions present, not 0.7 x 16
+    for _ in range(10):
+        assert controller.update({"frame_lag_ms": 900.0}, active=4).changed == "hold"
+    assert controller.limit == pytest.approx(2.8) and not controller.admit(3)
+    assert controller.update({"frame_lag_ms": 900.0}, active=2).changed == "decrease"  # in force again: cut
+    assert controller.limit == pytest.approx(1.4)

@@ -290,3 +290,23 @@ def test_a_draft_s_first_piece_is_the_reply_s_first_piece() -> None:
     first_piece = of(conv.reply_text(reply, tokens, done=True), cv.Synthesize)[0]
     assert prefetch.text == first_piece.text == "Paris is the"
     assert conv.draft_text(tokens) == []  # nothing ahead while a reply is under way
+
+
+def test_starved_while_owed_reply_audio_does_not_exist() -> None:
+    """The reply-lag signal: from the end of the turn until audio exists, and again whenever the client has
+    played everything synthesized while more is owed; never once the reply's audio is complete."""
+    conv = new()
+    assert not conv.starved  # listening: nothing owed
+    reply = start_reply(conv)
+    assert conv.starved  # the turn is over and there is no audio yet
+    out = conv.reply_text(reply, ["Paris is the capital of France, and"], done=False)
+    first, *rest = of(out, cv.Synthesize)
+    conv.audio_ready(reply, first.index, np.full(SR, 0.1, np.float32))
+    assert not conv.starved  # one second of audio to play
+    conv.played(SR // 2)
+    assert not conv.starved
+    conv.played(SR)  # all of it played, the rest still being decoded or synthesized
+    assert conv.starved
+    out = conv.reply_text(reply, ["Paris is the capital of France, and it is lovely."], done=True)
+    voice_all(conv, reply, rest + of(out, cv.Synthesize))
+    assert not conv.starved  # the reply's audio is complete

@@ -275,3 +275,16 @@ def drive_more(session: Session, probs: list[float]) -> None:
         k = session.frames
         chunks = session.accept_frame(10_000 + k, np.zeros(512, "<i2").tobytes(), now=200.0 + k * C)
         session.apply_vad(chunks, np.array([p]), now=200.0 + k * C)
+
+
+def test_reply_lag_is_the_current_wait_for_owed_audio_and_underrun_sums_the_waits() -> None:
+    session = Session("s", 16_000, ServerConfig())
+    assert session.reply_lag_s(10.0) == 0.0
+    session.note_reply_audio(True, 10.0)
+    session.note_reply_audio(True, 10.2)  # still waiting: the wait is counted from when it began
+    assert session.reply_lag_s(10.5) == pytest.approx(0.5)
+    session.note_reply_audio(False, 10.6)
+    assert session.reply_lag_s(11.0) == 0.0 and session.underrun_s == pytest.approx(0.6)
+    session.note_reply_audio(True, 12.0)
+    session.note_reply_audio(False, 12.25)
+    assert session.underrun_s == pytest.approx(0.85)
