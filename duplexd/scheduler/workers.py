@@ -1,8 +1,8 @@
 """The engine workers. One thread per engine; the asyncio side only submits work and awaits results.
 
 - `VadWorker` gathers the VAD chunks of every session that has some and evaluates them in one batch.
-- `AsrScheduler` owns the single ASR engine and gives its passes to sessions fairly: the session whose
-  last pass finished longest ago goes first, so one busy stream cannot starve another.
+- `AsrScheduler` owns the single ASR engine and orders the sessions' due passes by Highest Response Ratio
+  Next (`hrrn.py`): short windows go first at equal waits, long ones win as their wait grows.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 from duplexd.asr.engine import ASR_SAMPLE_RATE, AsrEngine
 from duplexd.asr.vad import SileroVad, VadStream
 from duplexd.errors import Overloaded
+from duplexd.scheduler.hrrn import Candidate, Choice, PassCost, pick
 from duplexd.streaming.events import Event
 from duplexd.streaming.session import Session
 
@@ -96,6 +97,8 @@ class AsrScheduler:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-asr")
         self.stats = AsrStats()
+        self.cost = PassCost()
+        self.schedule: deque[Choice] = deque(maxlen=256)  # recent choices, with every candidate's ratio
         self.busy = False  # a pass is running (low-priority work elsewhere waits for it)
 
     def register(self, session: Session, emit: Callable[[list[Event]], None]) -> None:
@@ -116,8 +119,12 @@ class AsrScheduler:
             await client.idle.wait()
 
     def _next(self) -> _Client | None:
-        due = [c for c in self._clients.values() if c.session.wants_pass()]
-        return min(due, key=lambda c: c.last_pass) if due else None
+        due = sorted((c for c in self._clients.values() if c.session.wants_pass()), key=lambda c: c.last_pass)
+        choice = pick([Candidate(c.session.id, c.session.asr_lag_s, c.session.next_window_s()) for c in due], self.cost)
+        if choice is None:
+            return None
+        self.schedule.append(choice)
+        return self._clients[choice.key]
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -146,6 +153,7 @@ class AsrScheduler:
                 self.stats.busy_s += elapsed
                 self.stats.audio_s += len(request.audio) / ASR_SAMPLE_RATE
                 self.stats.recent_pass_s.append(elapsed)
+                self.cost.observe(len(request.audio) / ASR_SAMPLE_RATE, elapsed)
                 if self._clients.get(session.id) is client:
                     client.emit(session.apply_pass(request, result))
                     client.idle.set()

@@ -71,6 +71,12 @@ async def test_concurrent_streams_do_not_mix(make_server, clip_by_name: dict[str
     # Each stream's distinctive words stay in that stream.
     assert not {"americans", "fellow", "ask"} & set(normalize(rb.text)), rb.text
     assert not {"reader", "narrative", "antecedents"} & set(normalize(ra.text)), ra.text
+    # Every pass was chosen by response ratio, and the cost line was fit from these passes' own times.
+    asr = srv.server.asr
+    assert len(asr.schedule) == asr.stats.passes >= 8
+    assert all(c.ratios[c.key] == max(c.ratios.values()) for c in asr.schedule)
+    median = sorted(asr.stats.recent_pass_s)[asr.stats.passes // 2]
+    assert 0.5 * median <= asr.cost(5.0) <= 2.0 * median, (median, asr.cost.fixed_s, asr.cost.per_s)
 
 
 async def test_other_sample_rates_are_resampled(make_server, clip_by_name: dict[str, Clip]) -> None:
