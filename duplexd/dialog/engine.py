@@ -214,6 +214,7 @@ class DialogEngine:
             "draft_busy_s": 0.0,
         }
         self.last_schedule: list[tuple[int, Priority]] = []  # sessions with work at the last step
+        self.last_packed: list[tuple[int, str, int]] = []  # (session, `_kind`, tokens), in packing order
 
     @classmethod
     def load(cls, config: EngineConfig | None = None) -> DialogEngine:
@@ -489,6 +490,7 @@ class DialogEngine:
             budget -= n
             self.stats["prefill_tokens"] += n
         self.stats["decode_tokens"] += len(decode)
+        self.last_packed = [(w.session.id, _kind(w.session, chosen), len(w.tokens)) for w in work]
         if ready and not real:
             self.stats["draft_steps"] += 1
         return work
@@ -546,6 +548,16 @@ class DialogEngine:
             return self._sessions[sid]
         except KeyError:
             raise UnknownSession(f"no dialog session {sid}") from None
+
+
+def _kind(session: _Session, decoding: set[int]) -> str:
+    """What a session's work in a step is for: a reply's next token, a reply's prefill (its header), a
+    listening session's words, or a draft's."""
+    if session.id in decoding:
+        return "decode"
+    if session.priority is Priority.DRAFT:
+        return "draft"
+    return "reply" if session.replying else "listen"
 
 
 def _queue(session: _Session, ids: Sequence[int]) -> None:

@@ -364,3 +364,37 @@ def test_steps_to_reply_counts_what_is_left_before_the_first_token(smol) -> None
     assert engine.steps_to_reply(behind) >= 3
     run_until_idle(engine)
     assert engine.steps_to_reply(behind) == 0 and engine.parked(behind)
+
+
+def test_speaking_sessions_decode_first_on_a_recorded_schedule(smol) -> None:
+    """Deadline-first packing under a tight token budget: every replying session gets its decode token in
+    every step until its reply is done (listening prefill never displaces it), replying sessions' prefill
+    (their headers) comes before listening sessions' prefill, and a step stays within its budget."""
+    engine = make_engine(smol, max_sessions=5, max_reply_tokens=12, prefill_chunk=8, step_token_budget=10)
+    speakers = [engine.open() for _ in range(2)]
+    for sid, question in zip(speakers, QUESTIONS, strict=False):
+        engine.append_user_text(sid, question)
+    run_until_idle(engine)
+    for sid in speakers:
+        engine.start_reply(sid)
+    listeners = [engine.open() for _ in range(2)]
+    for sid in listeners:
+        engine.append_user_text(sid, " ".join(QUESTIONS))  # many chunks of prefill, competing for the budget
+    packed, replies = [], {}
+    while engine.busy():
+        for sid, tokens in engine.step().items():
+            replies.setdefault(sid, []).extend(tokens)
+        packed.append(engine.last_packed)
+    rank = {"decode": 0, "reply": 1, "listen": 2, "draft": 3}
+    for step in packed:
+        ranks = [rank[kind] for _, kind, _ in step]
+        assert ranks == sorted(ranks), step
+        assert sum(n for *_, n in step) <= 10 or len(step) == 1, step
+    for sid in speakers:
+        # Its header (6 tokens) goes in before any listener's words: both fit the first two steps' budget.
+        assert any((sid, "reply") == (s, kind) for step in packed[:2] for s, kind, _ in step), packed[:2]
+        decoding = [i for i, step in enumerate(packed) if (sid, "decode", 1) in step]
+        assert decoding == list(range(decoding[0], decoding[-1] + 1)), f"session {sid} missed a decode step"
+        assert len(decoding) >= len(replies[sid]) - 1  # the first token comes from the header's prefill
+    listener_steps = [i for i, step in enumerate(packed) if any(sid in listeners for sid, *_ in step)]
+    assert listener_steps[0] < max(max(i for i, s in enumerate(packed) if (sp, "decode", 1) in s) for sp in speakers)
