@@ -165,6 +165,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from duplexd.bench import speculation as bench_speculation
 
         return bench_speculation.main(args)
+    if args.what in ("capacity", "overload"):
+        from duplexd.bench import capacity as bench_capacity
+
+        if args.what == "overload" and args.sessions is None:
+            args.sessions = 2 * args.n_star
+        return bench_capacity.main(args)
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -250,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stream)
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
-    p.add_argument("what", choices=["asr", "llm", "voice", "speculation"])
+    p.add_argument("what", choices=["asr", "llm", "voice", "speculation", "capacity", "overload"])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
@@ -259,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", default="1,2,4", help="concurrency levels for the long streams (default 1,2,4)")
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
     p.add_argument("--config", type=Path, default=None)
+    p.add_argument("--duration", type=float, default=45.0, help="capacity/overload: seconds per load test")
+    p.add_argument("--max-sessions", type=int, default=8, help="capacity: the largest N tried")
+    p.add_argument("--continuous", action="store_true", help="capacity: users talk all the time")
+    p.add_argument("--n-star", type=int, default=2, help="overload: the N* measured by `bench capacity`")
+    p.add_argument("--sessions", type=int, default=None, help="overload: users (default 2 x N*)")
+    p.add_argument("--session-s", type=float, default=20.0, help="overload: length of each user's sessions")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("loadtest", help="many real-time voice users against one server; JSON + HTML report")
@@ -266,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, required=True, help="simulated users, each on its own session")
     p.add_argument("--duration", type=float, default=60.0, help="seconds each user talks and listens")
     p.add_argument("--ramp", action="store_true", help="start users spread over the first half of the run")
+    p.add_argument("--continuous", action="store_true", help="users talk all the time (no pauses for replies)")
+    p.add_argument("--no-retry", dest="retry", action="store_false", help="a refused user gives up (default: retries)")
     p.add_argument(
         "--clips", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
     )

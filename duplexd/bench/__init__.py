@@ -1,4 +1,5 @@
-"""Benchmarks: `duplexd bench asr | llm | voice | speculation` (each writes JSON and prints a short table)."""
+"""Benchmarks: `duplexd bench asr | llm | voice | speculation | capacity | overload` (each writes JSON and
+prints a short table)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,8 @@ KEYS = (
     "eos_to_first_audio_p50_s",
     "refused",
     "collapsed",
+    "partial_word_latency_p90_s",
+    "admission_trace",
 )
 
 
@@ -34,6 +36,9 @@ async def test_loadtest_measures_what_each_user_got(make_server, clips, tmp_path
     assert result["sessions_offered"] == 2 and result["sessions_admitted"] == 1 and result["refused"] == 1
     refused = [u for u in result["users"] if not u["admitted"]]
     assert refused[0]["refused_retry_after_ms"] == 1500
+    assert refused[0]["refusals"] >= 2  # it came back after the hint, and was refused again
+    assert result["admission_trace"] and all(p["limit"] == 1 for p in result["admission_trace"])
+    assert 0 < result["partial_word_latency_p50_s"] <= result["partial_word_latency_p90_s"] < 10
     (user,) = [u for u in result["users"] if u["admitted"]]
     assert user["turns_spoken"] >= 1 and user["frames"] >= 50  # (an ack every ~100 ms of 10 s of audio)
     assert result["frame_lag_p50_ms"] > 0 and 0 <= result["deadline_miss_ratio"] <= 1
