@@ -275,6 +275,9 @@ class AdmissionConfig:
     initial_sessions: int = 0
     """The limit at start; 0: the hard capacity (the limit falls on measured overload, then probes up)."""
     increase: float = 1.0
+    settle_s: float = 5.0
+    """Seconds with every lag under target before the limit rises again (a session's load shows once it
+    speaks and is answered)."""
     beta: float = 0.7
     retry_after_ms: int = 2000
     """Told to refused clients (the `error` message and `/readyz`)."""
@@ -286,6 +289,7 @@ class AdmissionConfig:
         _require(self.reply_lag_s > 0, "admission.reply_lag_s", self.reply_lag_s, "> 0")
         _require(self.initial_sessions >= 0, "admission.initial_sessions", self.initial_sessions, ">= 0")
         _require(self.increase > 0, "admission.increase", self.increase, "> 0")
+        _require(self.settle_s >= 0, "admission.settle_s", self.settle_s, ">= 0")
         _require(0 < self.beta < 1, "admission.beta", self.beta, "in (0, 1)")
         _require(self.retry_after_ms >= 0, "admission.retry_after_ms", self.retry_after_ms, ">= 0")
 

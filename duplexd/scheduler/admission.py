@@ -34,14 +34,18 @@ class AimdConfig:
     """The limit is multiplied by this when a signal is over target."""
     floor: float = 1.0
     """The limit never falls below this (one session always gets in, to keep measuring)."""
+    settle_periods: int = 1
+    """Periods with every signal under target before each increase: a new session's load shows only once
+    it speaks and is answered (seconds), and lag signals such as the reply's come in bursts, so one quiet
+    period says little. Decreases are immediate."""
 
     def __post_init__(self) -> None:
         if not self.targets or any(t <= 0 for t in self.targets.values()):
             raise ValueError(f"AIMD needs positive lag targets, got {dict(self.targets)}")
         if not 0.0 < self.beta < 1.0:
             raise ValueError(f"AIMD beta must be in (0, 1), got {self.beta}")
-        if self.increase <= 0 or self.floor < 1 or self.initial < self.floor:
-            raise ValueError("AIMD needs increase > 0 and 1 <= floor <= initial")
+        if self.increase <= 0 or self.floor < 1 or self.initial < self.floor or self.settle_periods < 1:
+            raise ValueError("AIMD needs increase > 0, 1 <= floor <= initial and settle_periods >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,7 @@ class Aimd:
         self.config = config
         self.capacity = capacity
         self.limit = min(config.initial, float(capacity))
+        self._quiet = 0  # consecutive periods with every signal under target, since the last change
 
     def set_capacity(self, capacity: int) -> None:
         """The hard ceiling changed (e.g. KV slots taken by other work); the limit follows it down."""
@@ -76,12 +81,15 @@ class Aimd:
         c = self.config
         over = tuple(name for name, target in c.targets.items() if (v := p99.get(name)) is not None and v > target)
         if over:
+            self._quiet = 0
             if self.sessions < active:  # already refusing: the overload ends as admitted sessions leave
                 return Decision(self.limit, over, "hold")
             self.limit = max(c.floor, c.beta * min(self.limit, float(active)))
             return Decision(self.limit, over, "decrease")
+        self._quiet += 1
         measured = any(p99.get(name) is not None for name in c.targets)
-        if measured and active >= self.sessions and self.limit < self.capacity:
+        if measured and active >= self.sessions and self.limit < self.capacity and self._quiet >= c.settle_periods:
             self.limit = min(float(self.capacity), self.limit + c.increase)
+            self._quiet = 0
             return Decision(self.limit, (), "increase")
         return Decision(self.limit, (), "hold")

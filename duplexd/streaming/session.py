@@ -56,6 +56,7 @@ class Session:
         self._unread_lags: deque[float] = deque(maxlen=4096)  # since the last `drain_lags`
         self._starved_since: float | None = None  # owed reply audio has been missing since then
         self.underrun_s = 0.0  # total time the user waited for owed reply audio
+        self._worst_wait = 0.0  # the longest such wait that ended since the last `drain_reply_lag`
 
     @property
     def stream_s(self) -> float:
@@ -173,13 +174,22 @@ class Session:
         if starved and self._starved_since is None:
             self._starved_since = now
         elif not starved and self._starved_since is not None:
-            self.underrun_s += now - self._starved_since
+            wait = now - self._starved_since
+            self.underrun_s += wait
+            self._worst_wait = max(self._worst_wait, wait)
             self._starved_since = None
 
     def reply_lag_s(self, now: float) -> float:
         """How far the reply is behind playback: how long the user has been waiting for audio they are owed
         (from the end of their turn to the first audio, then any gap between pieces); 0 when nothing is owed."""
         return 0.0 if self._starved_since is None else now - self._starved_since
+
+    def drain_reply_lag(self, now: float) -> float:
+        """The longest wait for owed audio since the last call, ended or still going (the admission
+        controller's period): a wait that ended between two samples still counts."""
+        worst = max(self._worst_wait, self.reply_lag_s(now))
+        self._worst_wait = 0.0
+        return worst
 
     def end_of_stream(self) -> None:
         """No more audio: an open utterance gets its final pass over what was heard."""

@@ -34,7 +34,7 @@ class Metrics:
         )
         self.asr_lag = Gauge("duplexd_asr_lag_seconds", "Worst transcript lag over sessions (last period)", registry=r)
         self.reply_lag = Gauge(
-            "duplexd_reply_lag_seconds", "Longest wait for owed reply audio over sessions (now)", registry=r
+            "duplexd_reply_lag_seconds", "Longest wait for owed reply audio over sessions (last period)", registry=r
         )
         self.underrun = Counter(
             "duplexd_reply_underrun_seconds", "Time users waited for owed reply audio, all sessions", registry=r

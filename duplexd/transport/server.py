@@ -12,6 +12,7 @@ import asyncio
 import http
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -112,12 +113,14 @@ class Server:
                 initial=float(a.initial_sessions or capacity),
                 increase=a.increase,
                 beta=a.beta,
+                settle_periods=max(1, math.ceil(a.settle_s / a.period_s)),
             ),
             capacity,
         )
         self.metrics = Metrics()
         self._asr_passes_seen = 0
         self.underrun_closed_s = 0.0  # reply underrun of sessions that have ended
+        self.starting = 0  # admitted handshakes not yet registered (they count against the limit)
         self._ws: WsServer | None = None
         self._started = time.monotonic()
 
@@ -194,7 +197,7 @@ class Server:
 
     def admits(self) -> bool:
         """A new session would be admitted now (below the hard limit and, if enabled, the AIMD limit)."""
-        n = len(self.sessions)
+        n = len(self.sessions) + self.starting
         if n >= self.config.transport.max_sessions:
             return False
         return not self.config.admission.enabled or self.admission.admit(n)
@@ -209,7 +212,7 @@ class Server:
         asr_lag = max((s.asr_lag_s for s in self.sessions.values()), default=0.0)
         m.asr_lag.set(asr_lag)
         now = time.monotonic()
-        reply_lag = max((s.reply_lag_s(now) for s in self.sessions.values()), default=0.0)
+        reply_lag = max((s.drain_reply_lag(now) for s in self.sessions.values()), default=0.0)
         m.reply_lag.set(reply_lag)
         m.mirror(m.underrun, "underrun", self.underrun_closed_s + sum(s.underrun_s for s in self.sessions.values()))
         m.sessions_active.set(len(self.sessions))
@@ -587,7 +590,11 @@ class _Connection:
         session = Session(uuid.uuid4().hex, msg.sample_rate, server.config)
         if dialog:
             assert server.dialog is not None
-            self.dialog_sid = await server.dialog.open(self)  # raises PoolFull (Overloaded)
+            server.starting += 1  # (admitted now: handshakes awaiting meanwhile see this one)
+            try:
+                self.dialog_sid = await server.dialog.open(self)  # raises PoolFull (Overloaded)
+            finally:
+                server.starting -= 1
             spec = server.config.speculation
             self.conversation = cv.Conversation(
                 server.config.turn, server.config.tts, speculate=spec.enabled, drafts=spec.drafts_per_session

@@ -87,3 +87,18 @@ def test_a_limit_already_below_the_active_sessions_is_not_cut_again() -> None:
     assert controller.limit == pytest.approx(2.8) and not controller.admit(3)
     assert controller.update({"frame_lag_ms": 900.0}, active=2).changed == "decrease"  # in force again: cut
     assert controller.limit == pytest.approx(1.4)
+
+
+def test_the_limit_rises_only_after_settle_periods_of_quiet() -> None:
+    """Lag signals come in bursts (a reply's wait shows once per turn): one quiet period is no evidence of
+    spare capacity. With settle_periods=5 the limit rises once per 5 quiet periods, and any period over
+    target starts the count again."""
+    controller = Aimd(AimdConfig({"reply_lag_s": 0.65}, initial=2, settle_periods=5), capacity=16)
+    changes = [controller.update({"reply_lag_s": 0.3}, active=2).changed for _ in range(10)]
+    assert changes == ["hold"] * 4 + ["increase"] + ["hold"] * 5  # (after it, the limit 3 is not in use)
+    controller = Aimd(AimdConfig({"reply_lag_s": 0.65}, initial=2, settle_periods=5), capacity=16)
+    for _ in range(4):
+        controller.update({"reply_lag_s": 0.3}, active=2)
+    assert controller.update({"reply_lag_s": 0.9}, active=3).changed == "hold"  # over, but already refusing
+    assert [controller.update({"reply_lag_s": 0.3}, active=2).changed for _ in range(5)][-1] == "increase"
+    assert controller.limit == 3

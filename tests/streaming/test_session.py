@@ -288,3 +288,10 @@ def test_reply_lag_is_the_current_wait_for_owed_audio_and_underrun_sums_the_wait
     session.note_reply_audio(True, 12.0)
     session.note_reply_audio(False, 12.25)
     assert session.underrun_s == pytest.approx(0.85)
+    # Per control period: the longest wait, ended (0.6 s) or going on (0.3 s so far), then reset.
+    session.note_reply_audio(True, 13.0)
+    assert session.drain_reply_lag(13.3) == pytest.approx(0.6)
+    assert session.drain_reply_lag(13.5) == pytest.approx(0.5)
+    session.note_reply_audio(False, 13.6)
+    assert session.drain_reply_lag(14.0) == pytest.approx(0.6)
+    assert session.drain_reply_lag(15.0) == 0.0

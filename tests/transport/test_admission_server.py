@@ -78,3 +78,15 @@ async def test_admission_off_admits_up_to_the_hard_limit(make_server) -> None:
         for ws in (a, b):
             await ws.send(START)
             assert (await recv_json(ws))["type"] == "session.started"
+
+
+async def test_simultaneous_handshakes_cannot_both_take_the_last_place(make_server) -> None:
+    """Opening the dialog session awaits the LLM worker; a second handshake arriving meanwhile must count
+    the first, or both get in past the limit (seen in the overload benchmark before this was fixed)."""
+    srv = await make_server(STILL)
+    srv.server.admission.limit = 1.0
+    async with connect(srv.url) as a, connect(srv.url) as b:
+        await asyncio.gather(a.send(START), b.send(START))
+        first = await asyncio.gather(recv_json(a), recv_json(b))
+        assert sorted(e["type"] for e in first) == ["error", "session.started"], first
+        assert len(srv.server.sessions) == 1
