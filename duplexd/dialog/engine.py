@@ -81,6 +81,12 @@ class EngineConfig:
     """`float32` or `bfloat16` (weights, activations and KV)."""
     threads: int = _DEFAULTS.threads
     """torch intra-op threads for the engine worker; 0 keeps torch's default."""
+    kv_budget_tokens: int = 0
+    """0 (always, in the server): each session's KV is its slot, bounded by construction. > 0: the unbounded
+    baseline of `duplexd bench collapse`: slots sized for whole conversations (a `window` that never
+    evicts), and only this many KV rows resident over all sessions; a step that needs more preempts idle
+    sessions, then newer ones (their KV is dropped and recomputed from their tokens when they next run, as
+    vLLM's recompute preemption does)."""
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -94,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.step_token_budget must be >= 1, got {self.step_token_budget}")
         if self.max_reply_tokens < 1:
             raise ValueError(f"EngineConfig.max_reply_tokens must be >= 1, got {self.max_reply_tokens}")
+        if self.kv_budget_tokens < 0:
+            raise ValueError(f"EngineConfig.kv_budget_tokens must be >= 0, got {self.kv_budget_tokens}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
@@ -173,6 +181,7 @@ class _Session:
     p_end_of_turn: float | None = None
     served: int = 0  # step number when last given a prefill chunk (fairness)
     log: deque[tuple[int, int]] = field(default_factory=deque)  # (position, token) ingested, bounded below
+    evicted: list[int] = field(default_factory=list)  # (kv_budget_tokens) an idle session's preempted context
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,9 +221,12 @@ class DialogEngine:
             "busy_s": 0.0,
             "draft_steps": 0,
             "draft_busy_s": 0.0,
+            "preemptions": 0,  # (kv_budget_tokens only)
+            "recomputed_tokens": 0,
         }
         self.last_schedule: list[tuple[int, Priority]] = []  # sessions with work at the last step
         self.last_packed: list[tuple[int, str, int]] = []  # (session, `_kind`, tokens), in packing order
+        self._reserved = 0
 
     @classmethod
     def load(cls, config: EngineConfig | None = None) -> DialogEngine:
@@ -326,6 +338,10 @@ class DialogEngine:
 
     def resident_tokens(self, sid: int) -> int:
         return self._get(sid).window.resident
+
+    def kv_rows(self) -> int:
+        """KV rows holding tokens, over every session."""
+        return sum(s.window.resident for s in self._sessions.values())
 
     def tokens_seen(self, sid: int) -> int:
         """Every token the session has ingested since it opened (unbounded; resident KV is not)."""
@@ -467,12 +483,16 @@ class DialogEngine:
 
     def _schedule(self) -> list[_Work]:
         budget = self.config.step_token_budget
+        self._reserved = 0  # KV rows this step will add (kv_budget_tokens only)
         work: list[_Work] = []
         ready = [s for s in self._sessions.values() if self._has_work(s)]
         real = [s for s in ready if s.priority is Priority.NORMAL]
         ready = real or ready  # drafts only get steps with nothing else to do
         self.last_schedule = [(s.id, s.priority) for s in ready]
         decode = [s for s in ready if s.replying and len(s.pending) == 1 and s.reply]
+        if self.config.kv_budget_tokens:
+            keep = {s.id for s in decode}
+            decode = [s for s in decode if self._make_room(s, 1, keep)]
         for s in decode:
             work.append(self._work(s, 1))
         budget -= len(decode)
@@ -485,6 +505,8 @@ class DialogEngine:
             n = min(s.cuts[0], self.config.prefill_chunk)
             if n > budget and work:
                 continue
+            if self.config.kv_budget_tokens and not self._make_room(s, n, {w.session.id for w in work}):
+                continue
             work.append(self._work(s, n))
             s.served = self.stats["steps"]
             budget -= n
@@ -494,6 +516,45 @@ class DialogEngine:
         if ready and not real:
             self.stats["draft_steps"] += 1
         return work
+
+    def _make_room(self, owner: _Session, n: int, keep: set[int]) -> bool:
+        """`kv_budget_tokens` only: make room for `n` more rows of `owner` by preempting idle sessions (no
+        work queued: a conversation between turns), then sessions opened after `owner` (the newest first;
+        none in `keep`, already in this step), as vLLM preempts by arrival order: the oldest active session
+        always progresses, and two sessions never evict each other in turn. False if even that cannot make
+        room: the work waits (a stall)."""
+        budget = self.config.kv_budget_tokens
+        in_use = self.kv_rows() + self._reserved
+        victims = sorted(
+            (
+                s
+                for s in self._sessions.values()
+                if s.id not in keep and s.id != owner.id and s.window.resident and (not s.pending or s.id > owner.id)
+            ),
+            key=lambda s: (bool(s.pending), -s.id),
+        )
+        if in_use + n - sum(v.window.resident for v in victims) > budget:
+            return False  # not even preempting everyone else would make room
+        while in_use + n > budget:
+            victim = victims.pop(0)
+            in_use -= victim.window.resident
+            self._preempt(victim)
+        self._reserved += n
+        return True
+
+    def _preempt(self, session: _Session) -> None:
+        """Drop the session's KV; its tokens are recomputed before its next work (at once if it has work
+        queued, else when it gets some)."""
+        tokens = [t for _, t in session.log]
+        session.window = WindowState(self.config.window)
+        session.log.clear()
+        if not session.pending:
+            session.evicted = tokens
+        elif tokens:
+            session.pending.extendleft(reversed(tokens))
+            session.cuts.appendleft(len(tokens))
+        self.stats["preemptions"] += 1
+        self.stats["recomputed_tokens"] += len(tokens)
 
     def _work(self, session: _Session, n: int) -> _Work:
         tokens = list(itertools.islice(session.pending, n))
@@ -563,6 +624,10 @@ def _kind(session: _Session, decoding: set[int]) -> str:
 def _queue(session: _Session, ids: Sequence[int]) -> None:
     """Queue tokens as one piece: a chunk never spans two pieces (see "Lossless drafts" above)."""
     if ids:
+        if session.evicted:  # (kv_budget_tokens) the context comes back when the session has work again
+            session.pending.extendleft(reversed(session.evicted))
+            session.cuts.appendleft(len(session.evicted))
+            session.evicted = []
         session.pending.extend(ids)
         session.cuts.append(len(ids))
 

@@ -398,3 +398,27 @@ def test_speaking_sessions_decode_first_on_a_recorded_schedule(smol) -> None:
         assert len(decoding) >= len(replies[sid]) - 1  # the first token comes from the header's prefill
     listener_steps = [i for i, step in enumerate(packed) if any(sid in listeners for sid, *_ in step)]
     assert listener_steps[0] < max(max(i for i, s in enumerate(packed) if (sp, "decode", 1) in s) for sp in speakers)
+
+
+def test_the_unbounded_baseline_stays_in_its_budget_by_preempting_and_recomputing(smol) -> None:
+    """`kv_budget_tokens` (the baseline of `duplexd bench collapse`): resident rows never exceed the budget;
+    when a step needs more, the session with the most rows is dropped and recomputed from its tokens, and
+    its conversation goes on with the same reply."""
+    config = {"window": WindowConfig(4, 508), "max_sessions": 3, "max_reply_tokens": 12}
+    reference = make_engine(smol, **config)
+    expected = [ask(reference, q)[1] for q in QUESTIONS]
+    budget = int(2.5 * reference.kv_rows() / len(QUESTIONS))  # two conversations fit, not three
+    engine = make_engine(smol, **config, kv_budget_tokens=budget)
+    sids = [engine.open() for _ in QUESTIONS]
+    for sid, question in zip(sids, QUESTIONS, strict=True):
+        engine.append_user_text(sid, question)
+        engine.start_reply(sid)
+    replies: dict[int, list[int]] = {}
+    for _ in range(2000):
+        if not engine.busy():
+            break
+        for sid, tokens in engine.step().items():
+            replies.setdefault(sid, []).extend(tokens)
+        assert engine.kv_rows() <= budget
+    assert engine.stats["preemptions"] > 0 and engine.stats["recomputed_tokens"] > 0
+    assert [replies[sid] for sid in sids] == expected
