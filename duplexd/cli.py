@@ -165,6 +165,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from duplexd.bench import speculation as bench_speculation
 
         return bench_speculation.main(args)
+    if args.what == "collapse":
+        from duplexd.bench import collapse as bench_collapse
+
+        args.sessions = args.sessions or 6
+        return bench_collapse.main(args)
     if args.what in ("capacity", "overload"):
         from duplexd.bench import capacity as bench_capacity
 
@@ -256,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stream)
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
-    p.add_argument("what", choices=["asr", "llm", "voice", "speculation", "capacity", "overload"])
+    p.add_argument("what", choices=["asr", "llm", "voice", "speculation", "capacity", "overload", "collapse"])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
@@ -269,8 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int, default=8, help="capacity: the largest N tried")
     p.add_argument("--continuous", action="store_true", help="capacity: users talk all the time")
     p.add_argument("--n-star", type=int, default=2, help="overload: the N* measured by `bench capacity`")
-    p.add_argument("--sessions", type=int, default=None, help="overload: users (default 2 x N*)")
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=None,
+        help="overload: users (default 2 x N*); collapse: conversations (default 6)",
+    )
     p.add_argument("--session-s", type=float, default=20.0, help="overload: length of each user's sessions")
+    p.add_argument("--reply-lag-s", type=float, default=None, help="overload: the controller's reply-lag target")
+    p.add_argument("--runs", type=int, default=20, help="collapse: runs per KV policy")
+    p.add_argument("--turns", type=int, default=5, help="collapse: turns per conversation")
+    p.add_argument("--reply-tokens", type=int, default=48, help="collapse: longest reply")
+    p.add_argument("--window", type=int, default=252, help="collapse: bounded window W (pool = sessions x (4 + W))")
+    p.add_argument("--unbounded-window", type=int, default=2044, help="collapse: slot rows of the unbounded baseline")
+    p.add_argument("--timeout", type=float, default=120.0, help="collapse: a run not done by then collapsed")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("loadtest", help="many real-time voice users against one server; JSON + HTML report")

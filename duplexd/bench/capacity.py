@@ -11,7 +11,9 @@ no collapsed session. The sweep stops after two failing N in a row.
 overload: `--sessions` users (2 x N* by default) that hold sessions of `--session-s` seconds one after
 another and retry after the hint when refused, against a server with admission on and then off. Reports
 what the admitted sessions got, the controller's limit over the run, and where it settled (the median
-over the run's second half).
+over the run's second half). `--reply-lag-s` sets the controller's reply-lag target: N*'s first-audio
+bound (1.5 s from the end of speech) minus the endpointer's wait (~0.85 s here) is ~0.65 s from the
+turn's end.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
     for mode in ("on", "off"):
         print(f"admission {mode}: {args.sessions} users, sessions of {args.session_s:.0f} s")
         settings = {"admission.enabled": "true" if mode == "on" else "false"}
+        if args.reply_lag_s is not None:
+            settings["admission.reply_lag_s"] = str(args.reply_lag_s)
         with server_process(args.config, settings=settings) as port:
             r = _load(port, args.sessions, args.duration, clips, ramp=True, session_s=args.session_s)
         half = [p["limit"] for p in r["admission_trace"] if p["t"] >= args.duration / 2 and p["limit"] is not None]
@@ -110,6 +114,7 @@ def overload(args: argparse.Namespace) -> dict[str, Any]:
         "session_s": args.session_s,
         "duration_s": args.duration,
         "n_star": args.n_star,
+        "reply_lag_target_s": args.reply_lag_s,
         "settled_within_10pct": (abs(settled - args.n_star) <= 0.1 * args.n_star) if settled and args.n_star else None,
         "on": modes["on"],
         "off": modes["off"],
