@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from duplexd import __version__
+from duplexd import __version__, logs
 from duplexd.config import ServerConfig, load_config
 
 log = logging.getLogger("duplexd")
@@ -237,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"duplexd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--log-json", action="store_true", help="structured logs: one JSON object per line")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the server")
@@ -326,10 +327,5 @@ def main(argv: list[str] | None = None) -> int:
     # (libgomp's default) slow the others 10x and more. Must be set before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("faster_whisper").setLevel(logging.WARNING)
-    logging.getLogger("websockets.server").setLevel(logging.WARNING)
+    logs.setup(verbose=args.verbose, json_lines=args.log_json)
     return int(args.func(args))

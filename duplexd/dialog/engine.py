@@ -227,6 +227,8 @@ class DialogEngine:
         self.last_schedule: list[tuple[int, Priority]] = []  # sessions with work at the last step
         self.last_packed: list[tuple[int, str, int]] = []  # (session, `_kind`, tokens), in packing order
         self._reserved = 0
+        # (step seconds, sessions in the step, tokens in the step) for /metrics; the server drains it
+        self.step_samples: deque[tuple[float, int, int]] = deque(maxlen=4096)
 
     @classmethod
     def load(cls, config: EngineConfig | None = None) -> DialogEngine:
@@ -477,6 +479,7 @@ class DialogEngine:
                     out[w.session.id] = [new]
         self.stats["steps"] += 1
         self.stats["busy_s"] += time.perf_counter() - t0
+        self.step_samples.append((time.perf_counter() - t0, len(work), len(tokens)))
         if all(w.session.priority is Priority.DRAFT for w in work):
             self.stats["draft_busy_s"] += time.perf_counter() - t0
         return out

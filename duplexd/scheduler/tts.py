@@ -47,6 +47,7 @@ class TtsStats:
     audio_s: float = 0.0
     prefetched: int = 0  # pieces synthesized ahead (counted in `pieces` too)
     prefetch_hits: int = 0  # pieces delivered from the prefetch cache
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=1024))  # piece seconds, for /metrics
 
 
 class TtsWorker:
@@ -122,6 +123,7 @@ class TtsWorker:
             audio = np.zeros(0, np.float32)
         self.stats.pieces += 1
         self.stats.busy_s += time.perf_counter() - t0
+        self.stats.samples.append(time.perf_counter() - t0)
         self.stats.audio_s += len(audio) / OUTPUT_SAMPLE_RATE
         return audio
 

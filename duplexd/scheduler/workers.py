@@ -39,6 +39,7 @@ class VadWorker:
         self._engine = engine
         self._queue: asyncio.Queue[_VadJob] = asyncio.Queue(maxsize=max_pending)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-vad")
+        self.batch_samples: deque[int] = deque(maxlen=1024)  # sessions per VAD batch, for /metrics
 
     async def probabilities(self, stream: VadStream, chunks: np.ndarray) -> np.ndarray:
         if len(chunks) == 0:
@@ -56,6 +57,7 @@ class VadWorker:
             jobs = [await self._queue.get()]
             while not self._queue.empty():
                 jobs.append(self._queue.get_nowait())
+            self.batch_samples.append(len(jobs))
             try:
                 probs = await loop.run_in_executor(
                     self._executor, self._engine.probabilities, [j.stream for j in jobs], [j.chunks for j in jobs]

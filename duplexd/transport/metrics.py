@@ -6,6 +6,7 @@ control loop every period, so the hot paths carry no metrics code.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -14,6 +15,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LAG_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _PASS_BUCKETS_S = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+_STEP_BUCKETS_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Metrics:
@@ -43,6 +46,18 @@ class Metrics:
             "duplexd_asr_pass_seconds", "Recognizer pass time", buckets=_PASS_BUCKETS_S, registry=r
         )
         self.llm_steps = Counter("duplexd_llm_steps", "Dialog engine steps", registry=r)
+        self.llm_step = Histogram(
+            "duplexd_llm_step_seconds", "Dialog engine step time", buckets=_STEP_BUCKETS_S, registry=r
+        )
+        self.llm_batch = Histogram(
+            "duplexd_llm_step_sessions", "Sessions batched in one engine step", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.vad_batch = Histogram(
+            "duplexd_vad_batch_sessions", "Sessions batched in one VAD call", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.tts_piece = Histogram(
+            "duplexd_tts_piece_seconds", "Synthesis time of one reply piece", buckets=_PASS_BUCKETS_S, registry=r
+        )
         self.llm_busy = Counter("duplexd_llm_busy_seconds", "Dialog engine busy time", registry=r)
         self.kv_slots_used = Gauge("duplexd_kv_slots_used", "KV slots in use (conversations, drafts)", registry=r)
         self.kv_slots = Gauge("duplexd_kv_slots", "KV pool slots in all", registry=r)
@@ -57,6 +72,12 @@ class Metrics:
             self.frame_lag.observe(lag / 1000.0)
             if lag > deadline_ms:
                 self.deadline_misses.inc()
+
+    @staticmethod
+    def drain(histogram: Histogram, samples: deque) -> None:
+        """Observe and remove a worker's samples (its thread appends; deque ends are thread-safe)."""
+        while samples:
+            histogram.observe(samples.popleft())
 
     def mirror(self, counter: Counter, name: str, total: float) -> None:
         """Advance `counter` to a worker's running `total`."""

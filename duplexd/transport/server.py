@@ -15,6 +15,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -121,6 +122,8 @@ class Server:
         self._asr_passes_seen = 0
         self.underrun_closed_s = 0.0  # reply underrun of sessions that have ended
         self.starting = 0  # admitted handshakes not yet registered (they count against the limit)
+        self._period_lags: deque[float] = deque(maxlen=65536)  # frame lags (ms) of this control period
+        self._period_reply_lag = 0.0
         self._ws: WsServer | None = None
         self._started = time.monotonic()
 
@@ -202,17 +205,20 @@ class Server:
             return False
         return not self.config.admission.enabled or self.admission.admit(n)
 
-    def _collect(self) -> dict[str, float | None]:
-        """Drain every session's lag samples into the metrics; returns this period's load signals."""
+    def _collect(self) -> None:
+        """Drain the sessions' and workers' samples into the metrics, and the lags also into this control
+        period's buffers (a `/metrics` scrape between two periods must not take the controller's samples)."""
         m, deadline = self.metrics, self.config.admission.frame_deadline_ms
         lags: list[float] = []
         for session in self.sessions.values():
             lags.extend(session.drain_lags())
         m.frame_lags(lags, deadline)
+        self._period_lags.extend(lags)
         asr_lag = max((s.asr_lag_s for s in self.sessions.values()), default=0.0)
         m.asr_lag.set(asr_lag)
         now = time.monotonic()
         reply_lag = max((s.drain_reply_lag(now) for s in self.sessions.values()), default=0.0)
+        self._period_reply_lag = max(self._period_reply_lag, reply_lag)
         m.reply_lag.set(reply_lag)
         m.mirror(m.underrun, "underrun", self.underrun_closed_s + sum(s.underrun_s for s in self.sessions.values()))
         m.sessions_active.set(len(self.sessions))
@@ -222,8 +228,13 @@ class Server:
         for elapsed in list(stats.recent_pass_s)[len(stats.recent_pass_s) - new :]:
             m.asr_pass.observe(elapsed)
         self._asr_passes_seen = stats.passes
+        m.drain(m.vad_batch, self.vad.batch_samples)
         if self.dialog is not None:
             engine = self.dialog.engine
+            while engine.step_samples:
+                seconds, sessions, _ = engine.step_samples.popleft()
+                m.llm_step.observe(seconds)
+                m.llm_batch.observe(sessions)
             m.mirror(m.llm_steps, "llm_steps", engine.stats["steps"])
             m.mirror(m.llm_busy, "llm_busy", engine.stats["busy_s"])
             m.kv_slots.set(engine.pool.slots)
@@ -231,10 +242,17 @@ class Server:
             m.speculation_hit_ratio.set(self.dialog.stats.as_dict()["hit_rate"])
         if self.tts is not None:
             m.mirror(m.tts_busy, "tts_busy", self.tts.stats.busy_s)
-        lags.sort()
+            m.drain(m.tts_piece, self.tts.stats.samples)
+
+    def _signals(self) -> dict[str, float | None]:
+        """This control period's load signals (p99 frame lag, worst transcript and reply lag); starts the next."""
+        self._collect()
+        lags = sorted(self._period_lags)
+        reply_lag, self._period_reply_lag = self._period_reply_lag, 0.0
+        self._period_lags.clear()
         return {
             "frame_lag_ms": lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None,
-            "asr_lag_s": asr_lag if self.sessions else None,
+            "asr_lag_s": max((s.asr_lag_s for s in self.sessions.values()), default=0.0) if self.sessions else None,
             "reply_lag_s": reply_lag if self.dialog is not None and self.sessions else None,
         }
 
@@ -243,11 +261,22 @@ class Server:
         a = self.config.admission
         while True:
             await asyncio.sleep(a.period_s)
-            signals = self._collect()
+            signals = self._signals()
             if a.enabled:
                 decision = self.admission.update(signals, active=len(self.sessions))
                 if decision.changed == "decrease":
-                    log.info("admission: limit %.1f (over target: %s)", decision.limit, ", ".join(decision.over))
+                    log.info(
+                        "admission: limit %.1f (over target: %s)",
+                        decision.limit,
+                        ", ".join(decision.over),
+                        extra={
+                            "event": "admission.decrease",
+                            "limit": decision.limit,
+                            "over": list(decision.over),
+                            "signals": signals,
+                            "sessions": len(self.sessions),
+                        },
+                    )
 
     def _others_busy(self) -> bool:
         """A recognizer pass or a reply's synthesis is running: drafts (speculative work) wait."""
@@ -383,6 +412,18 @@ class _Connection:
             server.sessions.pop(self.session.id, None)
             self.session.note_reply_audio(False, time.monotonic())
             server.underrun_closed_s += self.session.underrun_s
+            log.info(
+                "session %s ended after %.1f s of audio",
+                self.session.id,
+                self.session.stream_s,
+                extra={
+                    "event": "session.ended",
+                    "session": self.session.id,
+                    "audio_s": round(self.session.stream_s, 2),
+                    "frames": self.session.frames,
+                    "reply_underrun_s": round(self.session.underrun_s, 3),
+                },
+            )
             if self.dialog_sid is not None and server.dialog is not None:
                 server.dialog.close(self.dialog_sid)
             if self.conversation is not None and server.tts is not None:
@@ -402,7 +443,8 @@ class _Connection:
         except asyncio.QueueFull:
             # The client does not read fast enough; rather than buffer without bound, end the session.
             self._overflowed = True
-            log.warning("closing slow client %s", self.session.id if self.session else "?")
+            sid = self.session.id if self.session else None
+            log.warning("closing slow client %s", sid, extra={"event": "session.slow_client", "session": sid})
             if self.ws.transport is not None:
                 self.ws.transport.abort()
 
@@ -585,6 +627,16 @@ class _Connection:
             server.counters["refused"] += 1
             server.metrics.sessions_refused.inc()
             retry = server.config.admission.retry_after_ms
+            log.info(
+                "refused a session: %d active, limit %d",
+                len(server.sessions),
+                server.admission.sessions,
+                extra={
+                    "event": "session.refused",
+                    "sessions": len(server.sessions),
+                    "limit": server.admission.sessions,
+                },
+            )
             raise Overloaded(f"server is full ({len(server.sessions)} sessions)", retry_after_ms=retry)
         dialog = msg.dialog and server.dialog is not None
         session = Session(uuid.uuid4().hex, msg.sample_rate, server.config)
@@ -603,6 +655,13 @@ class _Connection:
         server.sessions[session.id] = session
         server.counters["sessions"] += 1
         server.metrics.sessions_admitted.inc()
+        log.info(
+            "session %s started (%d Hz, dialog %s)",
+            session.id,
+            msg.sample_rate,
+            dialog,
+            extra={"event": "session.started", "session": session.id, "sessions": len(server.sessions)},
+        )
         server.asr.register(session, self.emit)
         t = server.config.transport
         self.send(

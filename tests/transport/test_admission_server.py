@@ -59,6 +59,12 @@ async def test_over_the_limit_a_session_is_refused_and_the_others_keep_going(mak
         assert m["duplexd_sessions_active"] == 1 and m["duplexd_admission_limit"] == 1
         assert m["duplexd_sessions_refused_total"] == 1 and m["duplexd_sessions_admitted_total"] == 1
         assert m["duplexd_frame_lag_seconds_count"] >= 50 and m["duplexd_kv_slots"] >= 1
+        assert m["duplexd_vad_batch_sessions_count"] >= 1  # batch sizes: one VAD call per batch
+        assert m["duplexd_llm_step_seconds_count"] >= 1  # (the session's system prompt was prefilled)
+        assert m["duplexd_llm_step_sessions_count"] == m["duplexd_llm_step_seconds_count"]
+        assert "duplexd_reply_lag_seconds" in m and "duplexd_tts_piece_seconds_count" in m
+        # A scrape does not take the controller's samples: its period still sees these frames.
+        assert srv.server._signals()["frame_lag_ms"] is not None
         await first.send(json.dumps({"type": "session.end"}))
         code, _ = await expect_close(first)
         assert code == 1000

@@ -1,0 +1,39 @@
+"""Logging setup: human-readable lines by default, one JSON object per line with `--log-json`.
+
+A JSON line carries the time, level, logger and message, and every `extra={...}` field the call gave,
+so a log pipeline can filter on them (`session`, `limit`, `over`, ...) without parsing messages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "t": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update({k: v for k, v in record.__dict__.items() if k not in _RESERVED and not k.startswith("_")})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup(*, verbose: bool = False, json_lines: bool = False) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        JsonFormatter() if json_lines else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logging.getLogger("faster_whisper").setLevel(logging.WARNING)
+    logging.getLogger("websockets.server").setLevel(logging.WARNING)
