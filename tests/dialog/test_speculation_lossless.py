@@ -53,11 +53,22 @@ class Client:
 Step = tuple[str, str]  # ("say", text) appends the user's next words; ("draft", text) drafts; ("idle", "") waits
 
 
-async def settle(worker: DialogWorker) -> None:
-    """Until the worker has applied every command and has nothing left to step (drafts parked)."""
+async def settle(worker: DialogWorker, *, drafts: bool = True) -> None:
+    """Until the worker has applied every command and has nothing left to step (drafts parked; with
+    `drafts=False`, drafts may still have work).
+
+    The engine belongs to the worker's thread; read from here, a step in flight can look idle for an
+    instant (a token popped from the queue, its successor not yet queued), so idle must be seen twice,
+    20 ms apart, with no step in between."""
+    engine, seen = worker.engine, None
     for _ in range(3000):
-        if not worker._commands and not worker.engine.busy():
-            return
+        if not worker._commands and not engine.busy(drafts=drafts):
+            if seen == engine.stats["steps"]:
+                return
+            seen = engine.stats["steps"]
+            await asyncio.sleep(0.02)
+            continue
+        seen = None
         await asyncio.sleep(0.005)
     raise AssertionError("the worker never settled")
 
@@ -149,7 +160,7 @@ async def test_drafts_wait_while_other_work_runs(engine) -> None:
         client = Client()
         sid = await worker.open(client)
         worker.submit(sid, AppendUserText("What is the capital of France?", 1))
-        await settle_real(worker)
+        await settle(worker, drafts=False)
         worker.submit(sid, DraftReply("", 1))
         steps, draft_steps = engine.stats["steps"], engine.stats["draft_steps"]
         await asyncio.sleep(0.3)
@@ -165,11 +176,3 @@ async def test_drafts_wait_while_other_work_runs(engine) -> None:
     finally:
         task.cancel()
         worker.close_worker()
-
-
-async def settle_real(worker: DialogWorker) -> None:
-    for _ in range(3000):
-        if not worker._commands and not worker.engine.busy(drafts=False):
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("the worker never settled")
