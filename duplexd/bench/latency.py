@@ -7,6 +7,7 @@ end (by offline word timestamps) was sent. Streamed and offline words are aligne
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from duplexd.asr.commit import norm
@@ -47,17 +48,22 @@ def _first_seen(result: StreamResult) -> list[tuple[str, float, float]]:
     return out
 
 
-def word_timings(result: StreamResult, offline: list[Word]) -> list[WordTiming]:
-    streamed = _first_seen(result)
-    ref = [norm(w.text) for w in offline]
-    matcher = difflib.SequenceMatcher(a=[s[0] for s in streamed], b=ref, autojunk=False)
-    timings = []
+def aligned(streamed: list[str], offline: list[Word]) -> Iterator[tuple[int, Word]]:
+    """(index in `streamed`, offline word) for every streamed word that matches the offline transcript
+    (normalized words, longest matching runs in order)."""
+    matcher = difflib.SequenceMatcher(a=[norm(w) for w in streamed], b=[norm(w.text) for w in offline], autojunk=False)
     for block in matcher.get_matching_blocks():
         for k in range(block.size):
-            text, shown_t, committed_t = streamed[block.a + k]
-            word = offline[block.b + k]
-            sent_t = result.started_at + word.end_s / result.speed
-            timings.append(WordTiming(text, word.end_s, shown_t - sent_t, committed_t - sent_t))
+            yield block.a + k, offline[block.b + k]
+
+
+def word_timings(result: StreamResult, offline: list[Word]) -> list[WordTiming]:
+    streamed = _first_seen(result)
+    timings = []
+    for i, word in aligned([s[0] for s in streamed], offline):
+        text, shown_t, committed_t = streamed[i]
+        sent_t = result.started_at + word.end_s / result.speed
+        timings.append(WordTiming(text, word.end_s, shown_t - sent_t, committed_t - sent_t))
     return timings
 
 

@@ -15,12 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import difflib
 import json
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,8 +32,8 @@ from duplexd.asr.engine import default_asr_model
 from duplexd.bench import write_result
 from duplexd.bench.asr import RATE, Program, _offline, _program
 from duplexd.bench.data import load_clips, wer
-from duplexd.bench.latency import percentile, word_timings
-from duplexd.bench.server import free_port, server_process
+from duplexd.bench.latency import aligned, percentile, word_timings
+from duplexd.bench.server import child_process, free_port, server_process
 from duplexd.clients.stream import stream_pcm
 
 MAX_WORD_LATENCY_P90_S = 2.0
@@ -98,14 +95,7 @@ def peer_latencies(result: PeerResult, program: Program) -> list[float]:
     for i, word in enumerate(final):
         shown = next(t for t, words in result.snapshots if len(words) > i and norm(words[i]) == norm(word))
         first.append(shown)
-    ref = [norm(w.text) for w in program.words]
-    matcher = difflib.SequenceMatcher(a=[norm(w) for w in final], b=ref, autojunk=False)
-    out = []
-    for block in matcher.get_matching_blocks():
-        for k in range(block.size):
-            sent = result.started_at + program.words[block.b + k].end_s
-            out.append(first[block.a + k] - sent)
-    return out
+    return [first[i] - (result.started_at + word.end_s) for i, word in aligned(final, program.words)]
 
 
 @contextlib.contextmanager
@@ -117,27 +107,12 @@ def whisperlive_process(python: str, model: Path) -> Iterator[int]:
         f" faster_whisper_custom_model_path={str(model)!r}, single_model=True, max_clients=16,"
         " max_connection_time=3600)\n"
     )
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([python, "-c", code], stdout=subprocess.DEVNULL, stderr=log, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"WhisperLive exited with {proc.returncode}: {log.read()[-2000:]}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("WhisperLive did not come up")
-            time.sleep(0.5)
+    with child_process([python, "-c", code], name="WhisperLive", up=lambda: _connect(port), poll_s=0.5):
         yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+
+
+def _connect(port: int) -> None:
+    socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
 def _row(latencies: list[float], refs: list[str], texts: list[str]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,43 @@ def health(port: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
+def child_process(
+    cmd: list[str],
+    *,
+    name: str,
+    up: Callable[[], object],
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120.0,
+    poll_s: float = 0.2,
+) -> Iterator[subprocess.Popen[str]]:
+    """Start `cmd`, wait until `up()` stops raising OSError (the service answers), stop it on exit.
+    Its stderr goes to a file (a pipe nobody reads would stall a chatty server), quoted if it dies."""
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {log.read()[-2000:]}")
+            try:
+                up()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not come up") from None
+                time.sleep(poll_s)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@contextlib.contextmanager
 def server_process(
     config: Path | None = None, *, timeout_s: float = 120.0, settings: dict[str, str] | None = None
 ) -> Iterator[int]:
@@ -40,26 +77,5 @@ def server_process(
     for name, value in (settings or {}).items():
         section, _, key = name.partition(".")
         env[f"DUPLEXD_{section.upper()}__{key.upper()}"] = value
-    log = tempfile.TemporaryFile(mode="w+")  # (a pipe nobody reads would stall a chatty server)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"duplexd serve exited with {proc.returncode}: {log.read()[-2000:]}")
-            try:
-                health(port)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("duplexd serve did not come up") from None
-                time.sleep(0.2)
+    with child_process(cmd, name="duplexd serve", up=lambda: health(port), env=env, timeout_s=timeout_s):
         yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
