@@ -23,7 +23,7 @@ import argparse
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,6 @@ class RunResult:
     preemptions: int
     recomputed_tokens: int
     peak_rows: int
-    gaps: list[float] = field(default_factory=list)
 
     @property
     def collapsed(self) -> bool:
@@ -189,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bounded_window": bounded_window.capacity,
         "collapse_gap_s": COLLAPSE_S,
         **summary,
-        "runs": [{k: getattr(r, k) for k in r.__slots__ if k != "gaps"} | {"collapsed": r.collapsed} for r in runs],
+        "runs": [asdict(r) | {"collapsed": r.collapsed} for r in runs],
     }
 
 

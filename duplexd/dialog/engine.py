@@ -478,10 +478,11 @@ class DialogEngine:
                 if new is not None:
                     out[w.session.id] = [new]
         self.stats["steps"] += 1
-        self.stats["busy_s"] += time.perf_counter() - t0
-        self.step_samples.append((time.perf_counter() - t0, len(work), len(tokens)))
+        elapsed = time.perf_counter() - t0
+        self.stats["busy_s"] += elapsed
+        self.step_samples.append((elapsed, len(work), len(tokens)))
         if all(w.session.priority is Priority.DRAFT for w in work):
-            self.stats["draft_busy_s"] += time.perf_counter() - t0
+            self.stats["draft_busy_s"] += elapsed
         return out
 
     def _schedule(self) -> list[_Work]:

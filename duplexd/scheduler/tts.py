@@ -122,8 +122,9 @@ class TtsWorker:
             log.exception("TTS failed for %r", text[:80])
             audio = np.zeros(0, np.float32)
         self.stats.pieces += 1
-        self.stats.busy_s += time.perf_counter() - t0
-        self.stats.samples.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.stats.busy_s += elapsed
+        self.stats.samples.append(elapsed)
         self.stats.audio_s += len(audio) / OUTPUT_SAMPLE_RATE
         return audio
 
