@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -8,6 +9,17 @@ import pytest
 
 from duplexd.bench.data import DATA_ENV, Clip, data_dir, load_clips
 from duplexd.config import ServerConfig
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> object:
+    """`cli.main` installs a handler on the root logger bound to this test's captured stderr: put the previous
+    handlers back, or later tests' server threads log into a closed file ("--- Logging error ---")."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from duplexd.bench import scenarios as sc
+from duplexd.bench.data import normalize, wer
 from duplexd.clients.converse import ConversationResult, converse_pcm
 from duplexd.config import ServerConfig, TtsConfig
 
@@ -95,6 +96,7 @@ async def test_talking_over_the_reply_interrupts_it(make_server, clip_by_name) -
     srv = await make_server(STORYTELLER)
     question = np.concatenate([sc.silence(0.5), sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)])
     talk_over = sc.During(sc.load(clip_by_name["clip16_sb_example1.wav"].path), after_s=0.0)
+    talk_over_ref = clip_by_name["clip16_sb_example1.wav"].text
     contexts: list[str] = []
 
     def until(events) -> bool:
@@ -121,13 +123,15 @@ async def test_talking_over_the_reply_interrupts_it(make_server, clip_by_name) -
     assert 0 < stop["heard_ms"] <= sent_ms  # only what was played counts (it may have played all sent so far)
     # The assistant turn in the LLM's context holds exactly the heard part, then the user's new words.
     turn2 = result.of_type("turn.ended")[1].event["text"]
-    assert "canoe" in turn2.lower(), turn2
+    # (Whisper tiny's words for the talk-over vary: its start may be cut by the echo gate, "birch canoe" heard
+    # as "birds can do"; so compare with the reference loosely, and with the context exactly.)
+    assert wer([talk_over_ref], [turn2]) <= 0.5, turn2
     (context,) = contexts
     first_reply = context.split("<|im_start|>assistant\n")[1]
     said, _, after = first_reply.partition("<|im_end|>")
     assert said.strip() == heard.strip()
     next_user = after.partition("<|im_start|>user\n")[2].partition("<|im_end|>")[0]
-    assert "canoe" in next_user.lower(), context
+    assert normalize(next_user) == normalize(turn2), context
     # The talk-over became the user's next turn.
     assert any("canoe" in r.event["text"].lower() for r in result.of_type("transcript.partial"))
 
