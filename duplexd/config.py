@@ -113,8 +113,20 @@ class TransportConfig:
     max_sessions: int = 64
     audio_frame_ms: int = 40  # reply audio out: PCM16 24 kHz frames of this length
     audio_lead_ms: int = 1000  # reply audio is sent at most this far ahead of the client's playback
+    resume_grace_s: float = 30.0  # a dropped connection's session waits this long for `session.resume` (0: never)
+    resume_audio_s: float = 10.0  # reply audio kept for a resume, counted from the client's last playback report
+    max_unacked_tokens: int = 1024  # reply tokens kept until the client acknowledges them (the Eloquent bound)
+    max_unacked_bytes: int = 64 * 1024
+    datagram: bool = True  # offer the UDP datagram path for reply tokens (`session.start {datagram: true}`)
+    datagram_host: str = ""  # address of the UDP socket ("": the WebSocket's host)
+    datagram_port: int = 0  # UDP port of the datagram path (0: any free port, announced in `session.started`)
 
     def __post_init__(self) -> None:
+        _require(self.resume_grace_s >= 0, "transport.resume_grace_s", self.resume_grace_s, ">= 0")
+        _require(self.resume_audio_s >= 1, "transport.resume_audio_s", self.resume_audio_s, ">= 1")
+        _require(self.max_unacked_tokens >= 1, "transport.max_unacked_tokens", self.max_unacked_tokens, ">= 1")
+        _require(self.max_unacked_bytes >= 1024, "transport.max_unacked_bytes", self.max_unacked_bytes, ">= 1024")
+        _require(0 <= self.datagram_port <= 65535, "transport.datagram_port", self.datagram_port, "a UDP port")
         _require(10 <= self.audio_frame_ms <= 200, "transport.audio_frame_ms", self.audio_frame_ms, "in [10, 200]")
         _require(self.audio_lead_ms >= 100, "transport.audio_lead_ms", self.audio_lead_ms, ">= 100")
         _require(0 <= self.port <= 65535, "transport.port", self.port, "a TCP port")

@@ -26,6 +26,8 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
     BAD_PLAYBACK = "bad_playback"
     NO_REPLY = "no_reply"
+    BAD_ACK = "bad_ack"
+    RESUME_REFUSED = "resume_refused"
 
 
 class DuplexdError(Exception):

@@ -139,6 +139,8 @@ async def converse_pcm(
                 got = Received(now, json.loads(raw))
                 result.events.append(got)
                 kind = got.event.get("type")
+                if kind == "reply.delta" and "token_seq" in got.event:
+                    await client.ack(got.event["token_seq"])  # (over a live socket, tokens arrive in order)
                 if kind == "reply.started":
                     current[0] = got.event["reply"]
                 elif kind == "reply.interrupted":

@@ -78,6 +78,37 @@ class StreamClient:
             raise SessionRefused(reply)
         return reply
 
+    @classmethod
+    async def resume(
+        cls, url: str, started: dict[str, Any], *, token_seq: int, audio_ms: float, seq: int
+    ) -> tuple[StreamClient, dict[str, Any]]:
+        """Continue the session `started` (its `session.started`) on a new connection, after a drop: the
+        server resends the reply tokens after `token_seq` and the reply audio after `audio_ms`.
+        `seq` is the last audio frame number sent before the drop. Returns the client and `session.resumed`."""
+        client = cls(await connect(url, max_size=2**22, open_timeout=30))
+        client.seq = seq
+        await client.ws.send(
+            json.dumps(
+                {
+                    "type": "session.resume",
+                    "version": PROTOCOL_VERSION,
+                    "session_id": started["session_id"],
+                    "resume_token": started["resume"]["token"],
+                    "token_seq": token_seq,
+                    "audio_ms": audio_ms,
+                }
+            )
+        )
+        reply = json.loads(await client.ws.recv())
+        if reply.get("type") != "session.resumed":
+            await client.close()
+            raise SessionRefused(reply)
+        return client, reply
+
+    async def ack(self, token_seq: int) -> None:
+        """Every reply token up to `token_seq` has been rendered (the server may forget them)."""
+        await self.ws.send(json.dumps({"type": "ack", "token_seq": token_seq}))
+
     async def send_pcm(self, pcm: bytes) -> None:
         self.seq += 1
         await self.ws.send(encode_audio_frame(self.seq, pcm))

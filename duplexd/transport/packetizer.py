@@ -227,6 +227,10 @@ class _SenderBase:
     def evicted_through(self) -> int:
         return self.buffer.evicted_through
 
+    def add(self, reply: int, texts: Sequence[str]) -> None:
+        """Keep new tokens until acknowledged without sending them (a reliable path carries them)."""
+        self._add(reply, texts)
+
     def _add(self, reply: int, texts: Sequence[str]) -> list[_Pending]:
         start = len(self.buffer.items)
         for text in texts:

@@ -24,11 +24,14 @@ class ClientType(StrEnum):
     SESSION_END = "session.end"
     PLAYBACK = "playback"
     REPLY_CANCEL = "reply.cancel"
+    ACK = "ack"
+    SESSION_RESUME = "session.resume"
 
 
 class ServerType(StrEnum):
     SESSION_STARTED = "session.started"
     SESSION_ENDED = "session.ended"
+    SESSION_RESUMED = "session.resumed"
     FRAME_ACK = "frame.ack"
     SPEECH_STARTED = "vad.speech_started"
     SPEECH_STOPPED = "vad.speech_stopped"
@@ -59,6 +62,23 @@ class SessionStart:
     version: int
     sample_rate: int
     dialog: bool = True
+    datagram: bool = False  # also send reply tokens over the UDP datagram path
+
+
+@dataclass(frozen=True, slots=True)
+class SessionResume:
+    """First message of a new connection that continues a session whose connection dropped."""
+
+    version: int
+    session_id: str
+    resume_token: str
+    token_seq: int  # the client has rendered every reply token up to this one
+    audio_ms: float  # ... and received this much of the output audio stream
+
+
+@dataclass(frozen=True, slots=True)
+class TokenAck:
+    token_seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +102,7 @@ class AudioFrame:
     pcm: bytes  # PCM16 LE mono, an even number of bytes, at least one sample
 
 
-TextMessage = SessionStart | SessionEnd | Playback | ReplyCancel
+TextMessage = SessionStart | SessionResume | SessionEnd | Playback | ReplyCancel | TokenAck
 ClientMessage = TextMessage | AudioFrame
 
 
@@ -115,6 +135,13 @@ def parse_text(data: str, limits: Limits) -> TextMessage:
         return Playback(float(played))
     if kind == ClientType.REPLY_CANCEL:
         return ReplyCancel()
+    if kind == ClientType.ACK:
+        seq = msg.get("token_seq")
+        if not _is_count(seq):
+            raise ProtocolError(ErrorCode.BAD_ACK, "ack.token_seq must be a non-negative integer")
+        return TokenAck(seq)
+    if kind == ClientType.SESSION_RESUME:
+        return _parse_resume(msg)
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind[:64]!r}")
 
 
@@ -135,10 +162,32 @@ def _parse_start(msg: dict[str, Any], limits: Limits) -> SessionStart:
             f"sample_rate {rate} Hz is outside [{limits.min_sample_rate}, {limits.max_sample_rate}]",
             fatal=True,
         )
-    dialog = msg.get("dialog", True)
-    if not isinstance(dialog, bool):
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, "session.start.dialog must be true or false", fatal=True)
-    return SessionStart(version=version, sample_rate=rate, dialog=dialog)
+    dialog, datagram = msg.get("dialog", True), msg.get("datagram", False)
+    if not isinstance(dialog, bool) or not isinstance(datagram, bool):
+        raise ProtocolError(
+            ErrorCode.BAD_MESSAGE, "session.start.dialog and .datagram must be true or false", fatal=True
+        )
+    return SessionStart(version=version, sample_rate=rate, dialog=dialog, datagram=datagram)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53
+
+
+def _parse_resume(msg: dict[str, Any]) -> SessionResume:
+    version = msg.get("version", PROTOCOL_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version!r} is not supported", fatal=True)
+    sid, token, seq, audio_ms = (msg.get(k) for k in ("session_id", "resume_token", "token_seq", "audio_ms"))
+    if not isinstance(sid, str) or not isinstance(token, str) or len(sid) > 128 or len(token) > 256:
+        raise ProtocolError(
+            ErrorCode.RESUME_REFUSED, "session.resume needs string session_id and resume_token", fatal=True
+        )
+    if not _is_count(seq):
+        raise ProtocolError(ErrorCode.RESUME_REFUSED, "session.resume.token_seq must be an integer >= 0", fatal=True)
+    if not isinstance(audio_ms, int | float) or isinstance(audio_ms, bool) or not 0 <= audio_ms < math.inf:
+        raise ProtocolError(ErrorCode.RESUME_REFUSED, "session.resume.audio_ms must be a number >= 0", fatal=True)
+    return SessionResume(version, sid, token, seq, float(audio_ms))
 
 
 def _split_binary(data: bytes, expected: BinaryKind) -> tuple[int, bytes]:
@@ -212,7 +261,7 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
         case ev.ReplySpeculation(reply=r, drafts=drafts, hit=hit, draft_tokens=n):
             return {"type": ServerType.REPLY_SPECULATION, "reply": r, "drafts": drafts, "hit": hit, "draft_tokens": n}
         case ev.ReplyDelta(reply=r, text=text):
-            return {"type": ServerType.REPLY_DELTA, "reply": r, "text": text}
+            return {"type": ServerType.REPLY_DELTA, "reply": r, "text": text}  # the shell adds its token_seq
         case ev.ReplyDone(reply=r, text=text, audio_ms=ms):
             return {"type": ServerType.REPLY_DONE, "reply": r, "text": text, "audio_ms": round(ms, 1)}
         case ev.ReplyInterrupted(reply=r, heard_ms=ms, heard_text=text, reason=reason):

@@ -9,6 +9,7 @@ whose commands go to the dialog worker (LLM), the TTS worker, and the `Playout` 
 from __future__ import annotations
 
 import asyncio
+import base64
 import http
 import json
 import logging
@@ -38,13 +39,16 @@ from duplexd.scheduler.dialog import DialogWorker
 from duplexd.scheduler.tts import TtsWorker
 from duplexd.scheduler.workers import AsrScheduler, VadWorker
 from duplexd.streaming import conversation as cv
-from duplexd.streaming.events import Event, ReplySpeculation
+from duplexd.streaming.events import Event, ReplyDelta, ReplySpeculation
 from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
 from duplexd.transport import protocol
+from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, DatagramEndpoint, new_key
 from duplexd.transport.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from duplexd.transport.metrics import Metrics
+from duplexd.transport.packetizer import Ack, Eloquent, SenderConfig
 from duplexd.transport.protocol import Limits, ServerType
+from duplexd.transport.resume import SentAudio, new_resume_token, same_token
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE, TtsEngine
 
 log = logging.getLogger(__name__)
@@ -59,12 +63,14 @@ CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_POLICY = 1008
 CLOSE_INTERNAL = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_WILL_RESUME = 4000  # a client closing with this code keeps its session for `session.resume`
 
 _FATAL_CLOSE = {
     ErrorCode.UNSUPPORTED_VERSION: CLOSE_PROTOCOL_ERROR,
     ErrorCode.NOT_STARTED: CLOSE_PROTOCOL_ERROR,
     ErrorCode.BAD_SAMPLE_RATE: CLOSE_UNSUPPORTED_DATA,
     ErrorCode.TOO_MANY_ERRORS: CLOSE_POLICY,
+    ErrorCode.RESUME_REFUSED: CLOSE_POLICY,
 }
 
 
@@ -105,7 +111,17 @@ class Server:
         )
         self.tts = TtsWorker(engines.tts) if engines.dialog and engines.tts else None
         self.sessions: dict[str, Session] = {}
-        self.counters = {"connections": 0, "sessions": 0, "protocol_errors": 0, "refused": 0}
+        self.handles: dict[str, _Connection] = {}  # every session's handle, attached or awaiting a resume
+        self.datagram: DatagramEndpoint | None = None
+        self.counters = {
+            "connections": 0,
+            "sessions": 0,
+            "protocol_errors": 0,
+            "refused": 0,
+            "detached": 0,
+            "resumed": 0,
+            "expired": 0,
+        }
         a = config.admission
         capacity = t.max_sessions if self.dialog is None else min(t.max_sessions, config.dialog.max_sessions)
         self.admission = Aimd(
@@ -135,6 +151,8 @@ class Server:
     async def run(self, stop: asyncio.Event, *, ready: asyncio.Future[int] | None = None) -> None:
         """Serve until `stop` is set, then close every connection and stop the workers."""
         t = self.config.transport
+        if t.datagram:
+            self.datagram = await DatagramEndpoint.open(t.datagram_host or t.host, t.datagram_port)
         try:
             async with asyncio.TaskGroup() as tg:
                 workers = [
@@ -162,6 +180,10 @@ class Server:
                 for task in workers:
                     task.cancel()
         finally:
+            for conn in list(self.handles.values()):
+                conn.release()
+            if self.datagram is not None:
+                self.datagram.close()
             self.vad.close()
             self.asr.close()
             if self.dialog is not None and self.tts is not None:
@@ -336,7 +358,23 @@ class Server:
         try:
             await conn.run()
         finally:
-            conn.release()
+            conn.end_link()
+        if conn.resume is not None:  # the connection asked to continue a session: hand it over
+            target, msg = conn.resume
+            target.ws = ws
+            try:
+                await target.run(resume=msg)
+            finally:
+                target.end_link()
+
+    def find_resumable(self, msg: protocol.SessionResume) -> _Connection:
+        """The session `msg` asks to continue, if the token is its own; else `resume_refused`."""
+        conn = self.handles.get(msg.session_id)
+        if conn is None or not same_token(msg.resume_token, conn.resume_token):
+            raise ProtocolError(
+                ErrorCode.RESUME_REFUSED, "no such session to resume (ended, expired, or not yours)", fatal=True
+            )
+        return conn
 
 
 def _rounded(stats: dict[str, float]) -> dict[str, float]:
@@ -366,12 +404,24 @@ def _response(status: http.HTTPStatus, content_type: str, body: bytes) -> Respon
 
 
 class _Connection:
-    """One WebSocket: a reader that feeds the session cores, a sender that drains a bounded queue, and (in a
-    conversation) a pacer that sends reply audio as the client plays it."""
+    """A session's handle and its current WebSocket: a reader that feeds the session cores, a sender that
+    drains a bounded queue, (in a conversation) a pacer that sends reply audio as the client plays it, and
+    (with the datagram path) a timer that repeats unacknowledged tokens.
+
+    The handle outlives a connection that drops: it waits `resume_grace_s` for `session.resume` on a new
+    WebSocket (`run(resume=...)`), keeping the reply tokens the client has not acknowledged and the reply
+    audio it may not have received; everything else it would have sent waits in the bounded queue."""
 
     def __init__(self, server: Server, ws: ServerConnection) -> None:
         self.server = server
         self.ws = ws
+        self.attached = True
+        self.ended = False  # session.end, a fatal error, or a refusal: nothing to resume
+        self.resume: tuple[_Connection, protocol.SessionResume] | None = None  # set on a resuming connection
+        self.resume_token = new_resume_token()
+        self._expiry: asyncio.TimerHandle | None = None
+        self._lost_while_detached = False
+        self._link_closed = asyncio.Event()
         self.session: Session | None = None
         self.conversation: cv.Conversation | None = None
         self.dialog_sid: int | None = None
@@ -387,29 +437,146 @@ class _Connection:
         self._reported: tuple[int, float] | None = None  # (samples played, when reported)
         self._virtual = 0  # samples played by the assumed real-time client
         self._virtual_at = time.monotonic()
+        self.tokens = Eloquent(
+            SenderConfig(
+                max_tokens=t.max_unacked_tokens,
+                max_bytes=t.max_unacked_bytes,
+                max_packet_bytes=MAX_PAYLOAD_BYTES - 64,
+            )
+        )
+        self.sent_audio = SentAudio(int(t.resume_audio_s * OUTPUT_SAMPLE_RATE))
+        self.dgram_tag: bytes | None = None
+        self._dgram_wake = asyncio.Event()
 
-    async def run(self) -> None:
+    async def run(self, resume: protocol.SessionResume | None = None) -> None:
         try:
+            if resume is not None:
+                await self._resumed(resume)
             async with asyncio.TaskGroup() as tg:
                 sender = tg.create_task(self._send_loop())
-                pacer = tg.create_task(self._pace_loop())
+                timers = [tg.create_task(self._pace_loop()), tg.create_task(self._datagram_loop())]
                 try:
                     await self._read_loop()
                     self.send(None)  # let the sender finish what is queued, then stop
                 except _Closing as closing:
+                    self.ended = True
                     self.send(None)
                     await sender
                     await self.ws.close(closing.code, closing.reason)
                 finally:
-                    pacer.cancel()
+                    for task in timers:
+                        task.cancel()
         except* ConnectionClosed:
             pass
 
+    def end_link(self) -> None:
+        """The WebSocket is gone: end the session, or keep it for a resume if the link merely dropped."""
+        self.attached = False
+        self._link_closed.set()
+        if self.session is None:
+            return
+        grace = self.server.config.transport.resume_grace_s
+        close = self.ws.protocol.close_rcvd  # (None: the link failed without a closing handshake)
+        dropped = close is None or close.code == CLOSE_WILL_RESUME
+        if self.ended or self._overflowed or not dropped or grace <= 0:
+            self.release()
+            return
+        self.server.counters["detached"] += 1
+        self.session.note_reply_audio(False, time.monotonic())  # nobody is listening: not a server lag
+        self._expiry = asyncio.get_running_loop().call_later(grace, self._expire)
+        log.info(
+            "session %s detached; resumable for %.0f s",
+            self.session.id,
+            grace,
+            extra={"event": "session.detached", "session": self.session.id, "token_seq": self.tokens.last_seq},
+        )
+
+    def _expire(self) -> None:
+        if not self.attached and self.session is not None:
+            self.server.counters["expired"] += 1
+            log.info("session %s was not resumed", self.session.id, extra={"event": "session.expired"})
+            self.release()
+
+    async def _resumed(self, msg: protocol.SessionResume) -> None:
+        """Take over from the previous connection: tokens the client has not acknowledged, the audio it has
+        not received, then what was queued for it meanwhile."""
+        session = self.session
+        if session is None or self._lost_while_detached:
+            await self.ws.send(
+                protocol.dumps(protocol.error_message(ErrorCode.RESUME_REFUSED, "the session has ended"))
+            )
+            await self.ws.close(CLOSE_POLICY, ErrorCode.RESUME_REFUSED.value)
+            return
+        now = time.monotonic()
+        audio = round(msg.audio_ms * OUTPUT_SAMPLE_RATE / 1000)
+        if msg.token_seq > self.tokens.last_seq or audio > self.sent_audio.end + 1:
+            await self.ws.send(
+                protocol.dumps(
+                    protocol.error_message(
+                        ErrorCode.RESUME_REFUSED,
+                        f"resume position (token {msg.token_seq}, {msg.audio_ms:.0f} ms) is past what was sent "
+                        f"(token {self.tokens.last_seq}, {1000 * self.sent_audio.end / OUTPUT_SAMPLE_RATE:.0f} ms)",
+                    )
+                )
+            )
+            await self.ws.close(CLOSE_POLICY, ErrorCode.RESUME_REFUSED.value)
+            return
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self.tokens.ack(Ack(msg.token_seq), now)
+        unacked = list(self.tokens.buffer.items)
+        frames, missing = self.sent_audio.since(audio)
+        # What was queued for the old socket: reply text goes again as tokens, audio from `sent_audio`.
+        queued = []
+        while not self._out.empty():
+            item = self._out.get_nowait()
+            if isinstance(item, str) and not item.startswith('{"type":"reply.delta"'):
+                queued.append(item)
+        self.attached = True
+        self._link_closed = asyncio.Event()
+        self.server.counters["resumed"] += 1
+        await self.ws.send(
+            protocol.dumps(
+                {
+                    "type": ServerType.SESSION_RESUMED,
+                    "session_id": session.id,
+                    "token_seq": unacked[0].token.seq if unacked else self.tokens.last_seq + 1,
+                    "tokens": [[p.token.reply, p.token.text] for p in unacked],
+                    "tokens_lost": max(0, self.tokens.evicted_through - msg.token_seq),
+                    "audio_ms": round(1000 * (audio + missing) / OUTPUT_SAMPLE_RATE, 3),
+                    "audio_lost_ms": round(1000 * missing / OUTPUT_SAMPLE_RATE, 3),
+                }
+            )
+        )
+        for f in frames:
+            await self.ws.send(protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT))
+        for item in queued:
+            self.send(item)
+        # The client plays from where its copy ended; until it reports, assume real time from now.
+        played = self._reported[0] if self._reported else self._virtual
+        self._reported = (played, now)
+        self._virtual, self._virtual_at = played, now
+        self._audio_wake.set()
+        log.info(
+            "session %s resumed at token %d, %.0f ms of audio",
+            session.id,
+            msg.token_seq,
+            msg.audio_ms,
+            extra={"event": "session.resumed", "session": session.id, "tokens_resent": len(unacked)},
+        )
+
     def release(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         if self.session is not None:
             server = self.server
             server.asr.unregister(self.session)
             server.sessions.pop(self.session.id, None)
+            server.handles.pop(self.session.id, None)
+            if self.dgram_tag is not None and server.datagram is not None:
+                server.datagram.unregister(self.dgram_tag)
             self.session.note_reply_audio(False, time.monotonic())
             server.underrun_closed_s += self.session.underrun_s
             log.info(
@@ -435,12 +602,17 @@ class _Connection:
 
     # outbound
 
-    def send(self, msg: dict[str, Any] | bytes | None) -> None:
+    def send(self, msg: dict[str, Any] | str | bytes | None) -> None:
         if self._overflowed:
             return
         try:
-            self._out.put_nowait(msg if msg is None or isinstance(msg, bytes) else protocol.dumps(msg))
+            self._out.put_nowait(msg if msg is None or isinstance(msg, str | bytes) else protocol.dumps(msg))
         except asyncio.QueueFull:
+            if not self.attached:  # too much happened while the client was away: it cannot resume losslessly
+                self._lost_while_detached = True
+                self._overflowed = True
+                self._expire()
+                return
             # The client does not read fast enough; rather than buffer without bound, end the session.
             self._overflowed = True
             sid = self.session.id if self.session else None
@@ -459,6 +631,46 @@ class _Connection:
     async def _send_loop(self) -> None:
         while (msg := await self._out.get()) is not None:
             await self.ws.send(msg)
+
+    def _send_token(self, reply: int, text: str) -> None:
+        """A reply token: kept until acknowledged; over the WebSocket once (reliable and ordered: redundancy
+        would add bytes, not robustness; a resume sends every unacknowledged one), over the datagram path
+        as an Eloquent packet (all unacknowledged tokens)."""
+        now = time.monotonic()
+        packets = self.tokens.push(reply, [text], now) if self.dgram_tag is not None else []
+        if self.dgram_tag is None:
+            self.tokens.add(reply, [text])
+        if self.attached:
+            self.send({"type": ServerType.REPLY_DELTA, "reply": reply, "text": text, "token_seq": self.tokens.last_seq})
+        datagram = self.server.datagram
+        if datagram is not None and self.dgram_tag is not None:
+            for packet in packets:
+                datagram.send(self.dgram_tag, packet)
+            self._dgram_wake.set()
+
+    def _on_datagram_ack(self, ack: Ack) -> None:
+        if ack.token_seq <= self.tokens.last_seq:  # (an authenticated client; a bad ack is just ignored)
+            self.tokens.ack(ack, time.monotonic())
+
+    async def _datagram_loop(self) -> None:
+        """Eloquent's tail: when no new token comes, the unacknowledged ones go again after an RTO."""
+        datagram = self.server.datagram
+        while True:
+            due = self.tokens.next_timer() if self.dgram_tag is not None else None
+            self._dgram_wake.clear()
+            if due is None:
+                await self._dgram_wake.wait()
+                continue
+            delay = due - time.monotonic()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(self._dgram_wake.wait(), delay)
+                except TimeoutError:
+                    pass
+                continue
+            for packet in self.tokens.poll(time.monotonic()):
+                if datagram is not None and self.dgram_tag is not None:
+                    datagram.send(self.dgram_tag, packet)
 
     # the conversation
 
@@ -503,9 +715,11 @@ class _Connection:
                     self._virtual = self.playout.sent
                     if self._reported is not None:
                         self._reported = (self.playout.sent, time.monotonic())
+                case ReplyDelta(reply=reply, text=text):
+                    self._send_token(reply, text)
                 case _:
                     self.send(protocol.encode_event(out))
-        session.note_reply_audio(conv.starved, time.monotonic())
+        session.note_reply_audio(conv.starved and self.attached, time.monotonic())
 
     def _on_tts_audio(self, reply: int, index: int, audio: np.ndarray) -> None:
         if self.conversation is not None:
@@ -548,6 +762,7 @@ class _Connection:
             played = self._played()
             frames, done = self.playout.take(played)
             for seq, pcm in frames:
+                self.sent_audio.sent(seq, pcm)
                 self.send(protocol.encode_audio_frame(seq, pcm, protocol.BinaryKind.AUDIO_OUT))
             for reply in done:
                 self._dispatch(conv.audio_sent(reply))
@@ -572,6 +787,7 @@ class _Connection:
             except ProtocolError as exc:
                 self._on_protocol_error(exc)
             except Overloaded as exc:
+                self.ended = True
                 extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
                 self.send(protocol.error_message(ErrorCode.OVERLOADED, str(exc), **extra))
                 raise _Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
@@ -588,9 +804,17 @@ class _Connection:
 
     async def _on_text(self, data: str) -> bool:
         msg = protocol.parse_text(data, self.server.limits)
-        if isinstance(msg, protocol.SessionStart):
+        if isinstance(msg, protocol.SessionStart | protocol.SessionResume):
             if self.session is not None:
                 raise ProtocolError(ErrorCode.ALREADY_STARTED, "session already started")
+            if isinstance(msg, protocol.SessionResume):
+                target = self.server.find_resumable(msg)
+                if target.attached:  # its old socket has not failed yet (a half-open TCP connection): drop it
+                    if target.ws.transport is not None:
+                        target.ws.transport.abort()
+                    await asyncio.wait_for(target._link_closed.wait(), 5)
+                self.resume = (target, msg)
+                return True
             await self._start(msg)
             return False
         if self.session is None:
@@ -599,12 +823,20 @@ class _Connection:
             case protocol.Playback(played_ms=played_ms):
                 self._on_playback(played_ms)
                 return False
+            case protocol.TokenAck(token_seq=seq):
+                if seq > self.tokens.last_seq:
+                    raise ProtocolError(
+                        ErrorCode.BAD_ACK, f"ack.token_seq {seq} is past the last token sent ({self.tokens.last_seq})"
+                    )
+                self.tokens.ack(Ack(seq), time.monotonic())
+                return False
             case protocol.ReplyCancel():
                 if self.conversation is None or not self.conversation.replying:
                     raise ProtocolError(ErrorCode.NO_REPLY, "reply.cancel with no reply in progress")
                 self._dispatch(self.conversation.cancel())
                 return False
         await self._finish()
+        self.ended = True
         return True
 
     def _on_playback(self, played_ms: float) -> None:
@@ -618,6 +850,7 @@ class _Connection:
             )
         samples = min(self.playout.sent, round(played_ms * OUTPUT_SAMPLE_RATE / 1000))
         self._reported = (max(samples, self._reported[0] if self._reported else 0), time.monotonic())
+        self.sent_audio.played(samples)
         if self.conversation is not None:
             self._dispatch(self.conversation.played(samples))
 
@@ -653,6 +886,7 @@ class _Connection:
             )
         self.session = session
         server.sessions[session.id] = session
+        server.handles[session.id] = self
         server.counters["sessions"] += 1
         server.metrics.sessions_admitted.inc()
         log.info(
@@ -683,8 +917,25 @@ class _Connection:
                     "ack_interval_ms": t.ack_interval_ms,
                 },
                 "models": server.models(),
+                "resume": {"token": self.resume_token, "grace_s": t.resume_grace_s},
+                **self._open_datagram(msg),
             }
         )
+
+    def _open_datagram(self, msg: protocol.SessionStart) -> dict[str, Any]:
+        datagram, t = self.server.datagram, self.server.config.transport
+        if not msg.datagram or datagram is None or self.conversation is None:
+            return {"datagram": None}
+        key = new_key()
+        self.dgram_tag = datagram.register(key, self._on_datagram_ack)
+        return {
+            "datagram": {
+                "host": t.datagram_host or t.host,
+                "port": datagram.port,
+                "tag": self.dgram_tag.hex(),
+                "key": base64.b64encode(key).decode(),
+            }
+        }
 
     async def _on_audio(self, data: bytes) -> None:
         session = self.session

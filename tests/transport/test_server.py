@@ -133,8 +133,8 @@ async def test_full_server_refuses_with_1013(make_server) -> None:
         assert code == 1000
 
 
-async def test_vanished_client_frees_its_session_and_spares_others(make_server) -> None:
-    srv = await make_server()
+async def test_vanished_client_frees_its_session_after_the_resume_grace_and_spares_others(make_server) -> None:
+    srv = await make_server(ServerConfig(transport=TransportConfig(resume_grace_s=1.0)))
     survivor = await connect(srv.url)
     await survivor.send(START)
     await _recv_json(survivor)
@@ -145,10 +145,15 @@ async def test_vanished_client_frees_its_session_and_spares_others(make_server) 
         await doomed.send(encode_audio_frame(seq, SILENCE_20MS))
     doomed.transport.abort()  # the client vanishes without a close frame
     for _ in range(100):
+        if srv.server.counters["detached"] == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert srv.server.counters["detached"] == 1 and len(srv.server.sessions) == 2  # kept for a resume
+    for _ in range(100):
         if len(srv.server.sessions) == 1:
             break
         await asyncio.sleep(0.05)
-    assert len(srv.server.sessions) == 1
+    assert len(srv.server.sessions) == 1 and srv.server.counters["expired"] == 1
     for seq in range(1, 11):
         await survivor.send(encode_audio_frame(seq, SILENCE_20MS))
     await survivor.send(json.dumps({"type": "session.end"}))

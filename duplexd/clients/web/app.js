@@ -423,6 +423,11 @@ function onReplyDelta(s, ev) {
   if (!reply.text) recordLatency(s, ev.reply, pub.eosToFirstTextMs);
   reply.text += ev.text;
   s.replyEls.get(ev.reply).textContent = reply.text;
+  // Tokens come in order on the socket: acknowledge each, so the server can forget it (and a resume
+  // after a dropped connection would resend only what we have not shown).
+  if (ev.token_seq && s.ws.readyState === WebSocket.OPEN) {
+    s.ws.send(JSON.stringify({ type: "ack", token_seq: ev.token_seq }));
+  }
 }
 
 function onReplyDone(s, ev) {

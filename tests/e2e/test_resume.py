@@ -1,0 +1,153 @@
+"""A client killed mid-reply reconnects with `session.resume`: a real server with every real model, a real
+recording, a real TCP connection torn down without a closing handshake."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+
+import numpy as np
+import pytest
+
+from duplexd.bench import scenarios as sc
+from duplexd.clients.stream import SessionRefused, StreamClient
+from duplexd.config import ServerConfig, TtsConfig
+from duplexd.transport.packetizer import Packet, Receiver, Token
+from duplexd.transport.protocol import parse_audio_out
+
+pytestmark = pytest.mark.slow
+
+OUT_RATE = 24_000
+LONG_REPLY = ServerConfig(
+    dialog=dataclasses.replace(
+        ServerConfig().dialog,
+        system_prompt="You are a storyteller. Answer every message with a long story of at least six sentences.",
+        max_reply_tokens=80,
+    ),
+    tts=TtsConfig(speed=0.7),
+)
+SILENCE_16K_20MS = np.zeros(320, np.int16).tobytes()
+
+
+class Listener:
+    """One client's view of the session, across connections: tokens merged by sequence number, reply
+    audio in arrival order (its position in the output stream is what it has received)."""
+
+    def __init__(self) -> None:
+        self.receiver = Receiver()
+        self.tokens: list[Token] = []
+        self.audio = bytearray()
+        self.events: list[dict] = []
+
+    @property
+    def audio_ms(self) -> float:
+        return 1000 * len(self.audio) / 2 / OUT_RATE
+
+    def render(self, tokens: list[Token]) -> None:
+        self.tokens += tokens
+
+    def text(self, reply: int) -> str:
+        return "".join(t.text for t in self.tokens if t.reply == reply)
+
+    async def run(self, client: StreamClient, stop: asyncio.Event, until) -> None:
+        """Receive, ack, report playback (as a player that plays at once), send silence; until `until()`."""
+
+        async def mic() -> None:
+            while not stop.is_set():
+                await client.send_pcm(SILENCE_16K_20MS)
+                await client.ws.send(json.dumps({"type": "playback", "played_ms": self.audio_ms}))
+                await asyncio.sleep(0.02)
+
+        async def receive() -> None:
+            async for raw in client.ws:
+                if isinstance(raw, bytes):
+                    self.audio += parse_audio_out(raw).pcm
+                else:
+                    event = json.loads(raw)
+                    self.events.append(event)
+                    if event["type"] == "reply.delta":
+                        token = Token(event["token_seq"], event["reply"], event["text"])
+                        self.render(self.receiver.receive(Packet(0, (token,))))
+                        await client.ack(self.receiver.contiguous)
+                if until():
+                    stop.set()
+                    return
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(mic())
+            await receive()
+
+
+async def say(client: StreamClient, pcm: np.ndarray) -> None:
+    t0 = time.monotonic()
+    for i, start in enumerate(range(0, len(pcm), 320)):
+        await asyncio.sleep(max(0.0, t0 + i * 0.02 - time.monotonic()))
+        await client.send_pcm(pcm[start : start + 320].astype("<i2").tobytes())
+
+
+async def test_a_client_killed_mid_reply_resumes_with_nothing_lost_or_repeated(make_server, clip_by_name) -> None:
+    srv = await make_server(LONG_REPLY)
+    me = Listener()
+    client = await StreamClient.connect(srv.url)
+    started = await client.start(sc.RATE, dialog=True)
+    question = np.concatenate([sc.silence(0.3), sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)])
+    await say(client, question)
+
+    def some_reply_heard() -> bool:  # a few tokens and some audio of reply 1: it is mid-reply
+        return len(me.text(1)) >= 12 and me.audio_ms >= 400
+
+    await asyncio.wait_for(me.run(client, asyncio.Event(), some_reply_heard), 90)
+    assert not any(e["type"] == "reply.done" for e in me.events), "the reply ended before the kill"
+    client.ws.transport.abort()  # killed: no closing handshake
+    heard_before = (me.receiver.contiguous, me.audio_ms)
+    await asyncio.sleep(1.0)  # the reply goes on without the client
+    assert srv.server.counters["detached"] == 1 and len(srv.server.sessions) == 1
+
+    client, resumed = await StreamClient.resume(
+        srv.url, started, token_seq=heard_before[0], audio_ms=heard_before[1], seq=client.seq
+    )
+    assert resumed["session_id"] == started["session_id"]
+    assert resumed["tokens_lost"] == 0 and resumed["audio_lost_ms"] == 0
+    assert resumed["audio_ms"] == pytest.approx(heard_before[1], abs=0.05)  # audio continues where ours ends
+    assert resumed["token_seq"] == heard_before[0] + 1 or not resumed["tokens"]
+    tokens = tuple(Token(resumed["token_seq"] + i, r, t) for i, (r, t) in enumerate(resumed["tokens"]))
+    if tokens:
+        me.render(me.receiver.receive(Packet(0, tokens)))
+
+    def reply_done() -> bool:
+        return any(e["type"] == "reply.done" for e in me.events)
+
+    await asyncio.wait_for(me.run(client, asyncio.Event(), reply_done), 120)
+    done = next(e for e in me.events if e["type"] == "reply.done")
+    # The text rendered across the kill is the whole reply, each token once, in order.
+    assert me.text(1) == done["text"] and len(done["text"]) > len(me.text(1)[:12])
+    assert [t.seq for t in me.tokens] == list(range(1, len(me.tokens) + 1))
+    # Every sample of the reply's audio arrived exactly once: the lengths agree to the sample.
+    assert len(me.audio) // 2 == round(done["audio_ms"] * OUT_RATE / 1000)
+    assert srv.server.counters["resumed"] == 1
+    await client.end()
+    await client.close()
+
+
+async def test_a_resume_token_that_is_not_the_sessions_own_is_refused(make_server) -> None:
+    srv = await make_server()
+    client = await StreamClient.connect(srv.url)
+    started = await client.start(sc.RATE, dialog=False)
+    await client.send_pcm(SILENCE_16K_20MS)
+    client.ws.transport.abort()
+    forged = {**started, "resume": {"token": "x" * len(started["resume"]["token"])}}
+    with pytest.raises(SessionRefused) as refused:
+        await StreamClient.resume(srv.url, forged, token_seq=0, audio_ms=0, seq=1)
+    assert refused.value.reply["code"] == "resume_refused"
+    unknown = {**started, "session_id": "0" * 32}
+    with pytest.raises(SessionRefused):
+        await StreamClient.resume(srv.url, unknown, token_seq=0, audio_ms=0, seq=1)
+    # The session's own token still works (the refusals did not end it), and its stream continues.
+    client, resumed = await StreamClient.resume(srv.url, started, token_seq=0, audio_ms=0, seq=1)
+    assert resumed["tokens"] == [] and resumed["audio_ms"] == 0
+    await client.send_pcm(SILENCE_16K_20MS)
+    await client.end()
+    events = [json.loads(m) async for m in client.ws if isinstance(m, str)]
+    assert events[-1]["type"] == "session.ended" and client.ws.close_code == 1000
