@@ -170,6 +170,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         args.sessions = args.sessions or 6
         return bench_collapse.main(args)
+    if args.what == "transport":
+        from duplexd.bench import transport as bench_transport
+
+        return bench_transport.main(args)
     if args.what in ("capacity", "overload"):
         from duplexd.bench import capacity as bench_capacity
 
@@ -262,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stream)
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
-    p.add_argument("what", choices=["asr", "llm", "voice", "speculation", "capacity", "overload", "collapse"])
+    p.add_argument(
+        "what", choices=["asr", "llm", "voice", "speculation", "capacity", "overload", "collapse", "transport"]
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
@@ -290,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unbounded-window", type=int, default=2044, help="collapse: slot rows of the unbounded baseline")
     p.add_argument("--timeout", type=float, default=120.0, help="collapse: a run not done by then collapsed")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "relay", help="a UDP relay that simulates loss, delay and jitter (see `duplexd relay --help`)", add_help=False
+    )
 
     p = sub.add_parser("loadtest", help="many real-time voice users against one server; JSON + HTML report")
     p.add_argument("--url", default="ws://127.0.0.1:8000/v1/stream")
@@ -326,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     # Engines share two cores across threads (ASR, LLM, TTS, VAD): OpenMP threads that spin while idle
     # (libgomp's default) slow the others 10x and more. Must be set before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["relay"]:  # the relay has its own options (it also runs as `python -m duplexd.transport.relay`)
+        from duplexd.transport import relay
+
+        logs.setup()
+        return relay.main(argv[1:])
     args = build_parser().parse_args(argv)
     logs.setup(verbose=args.verbose, json_lines=args.log_json)
     return int(args.func(args))
