@@ -527,11 +527,18 @@ class _Connection:
         self.tokens.ack(Ack(msg.token_seq), now)
         unacked = list(self.tokens.buffer.items)
         frames, missing = self.sent_audio.since(audio)
-        # What was queued for the old socket: reply text goes again as tokens, audio from `sent_audio`.
-        queued = []
+        resend = {f.seq: f for f in frames}
+        # What was queued for the old socket, in order: reply text goes again as tokens (above), audio
+        # frames from `sent_audio` (cut where the client's copy ends); frames sent before the drop but
+        # not received go first, since they left before anything still queued.
+        queued: list[str | bytes] = []
         while not self._out.empty():
             item = self._out.get_nowait()
-            if isinstance(item, str) and not item.startswith('{"type":"reply.delta"'):
+            if isinstance(item, bytes):
+                f = resend.pop(protocol.BINARY_HEADER.unpack_from(item)[1], None)
+                if f is not None:
+                    queued.append(protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT))
+            elif item is not None and not item.startswith('{"type":"reply.delta"'):
                 queued.append(item)
         self.attached = True
         self._link_closed = asyncio.Event()
@@ -549,7 +556,7 @@ class _Connection:
                 }
             )
         )
-        for f in frames:
+        for f in resend.values():  # (in order: a dict keeps insertion order)
             await self.ws.send(protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT))
         for item in queued:
             self.send(item)

@@ -7,6 +7,7 @@ Chromium is driven over the DevTools protocol (tests/clients/cdp.py). Needs /usr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ import soxr
 from cdp import CdpError, Page, launch_chromium
 
 from duplexd.bench.data import Clip
+from duplexd.config import ServerConfig, TtsConfig
 
 pytestmark = pytest.mark.slow
 
@@ -124,5 +126,54 @@ async def test_voice_conversation_in_chromium(make_server, fake_mic_wav: Path, t
     assert reply["audioMsReceived"] == pytest.approx(reply["audioMs"], abs=0.1), reply
     assert state["playedMs"] == pytest.approx(sum(r["audioMsReceived"] for r in state["replies"]), abs=0.1), state
     assert state["playedMs"] > 0 and state["eosToFirstAudioMs"] and state["eosToFirstTextMs"], state
+    assert state["errors"] == [], state["errors"]
+    assert problems == [], problems
+
+
+STORYTELLER = ServerConfig(
+    dialog=dataclasses.replace(
+        ServerConfig().dialog,
+        system_prompt="You are a storyteller. Answer every message with a long story of at least six sentences.",
+        max_reply_tokens=80,
+    ),
+    tts=TtsConfig(speed=0.7),
+)
+
+
+async def test_the_page_resumes_the_session_when_its_connection_drops(
+    make_server, fake_mic_wav: Path, tmp_path: Path
+) -> None:
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
+    srv = await make_server(STORYTELLER)
+    async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
+        await page.navigate(srv.http + "/")
+        await _wait(
+            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
+        )
+        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'live'", 30, "the session did not start")
+        # Mid-reply (text shown, audio playing), the network drops: the TCP connection dies without a close.
+        await _wait(
+            page,
+            "(r => r && r.streamedText.length > 10 && r.audioFramesReceived > 5 && !r.done)(window.duplexd.replies[0])",
+            REPLY_TIMEOUT_S,
+            "no reply in progress",
+        )
+        (handle,) = srv.server.handles.values()
+        handle.ws.transport.abort()
+        await _wait(page, "window.duplexd.resumes === 1 && window.duplexd.state === 'live'", 30, "no resume")
+        reply = await _wait(page, REPLY_PLAYED_JS, REPLY_TIMEOUT_S, "the reply did not finish after the resume")
+        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'ended'", 30, "the session did not end cleanly")
+        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
+        problems = list(page.problems)
+
+    assert srv.server.counters["resumed"] == 1 and state["closeCode"] == 1000
+    # The text streamed token by token across the drop is the whole reply, nothing lost or shown twice ...
+    assert isinstance(reply, dict) and reply["streamedText"] == reply["text"] and reply["text"].strip(), reply
+    # ... and every sample of its audio arrived exactly once, and was played.
+    assert reply["audioMsReceived"] == pytest.approx(reply["audioMs"], abs=0.1), reply
     assert state["errors"] == [], state["errors"]
     assert problems == [], problems

@@ -15,6 +15,8 @@ const MAX_BUFFERED_BYTES = 1 << 20; // a stalled socket: drop mic frames rather 
 const PLAYER_CAPACITY_S = 4; // the server stays at most output.lead_ms (1 s) ahead of playback
 const PLAYER_JITTER_MS = 100;
 const END_TIMEOUT_MS = 15000; // after session.end, close ourselves if the server does not
+const RESUME_ATTEMPTS = 5; // a dropped connection: reconnect with session.resume this many times ...
+const RESUME_BACKOFF_MS = 250; // ... waiting this much longer before each
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -29,12 +31,13 @@ const ui = {
 
 // Everything worth checking from outside (tests, the console), plain data only.
 const pub = (window.duplexd = {
-  state: "idle", // idle | starting | connecting | live | ending | ended | error
+  state: "idle", // idle | starting | connecting | live | reconnecting | ending | ended | error
   sessionId: null,
   sampleRate: null,
   dialog: null,
   transcriptFinal: [],
-  // {reply, text, done, interrupted, heardText, audioFramesReceived, audioMsReceived, audioMs (from reply.done)}
+  // {reply, text, streamedText (from the tokens), done, interrupted, heardText, audioFramesReceived,
+  //  audioMsReceived, audioMs (from reply.done)}
   replies: [],
   playedMs: 0, // reply audio actually played
   positionMs: 0, // position in the output stream (played + dropped unplayed), what `playback` reports
@@ -46,6 +49,7 @@ const pub = (window.duplexd = {
   eosToFirstTextMs: [],
   errors: [], // {code, message}: server `error` messages and client-side failures
   closeCode: null,
+  resumes: 0, // dropped connections the session survived (session.resume)
 });
 
 let session = null; // the live session (see start()), null when idle
@@ -155,6 +159,10 @@ async function start() {
     utteranceEls: new Map(), // utterance number -> element
     lastPlaybackMs: 0,
     endTimer: null,
+    resume: null, // session.started.resume {token, grace_s}
+    tokenSeq: 0, // last reply token rendered (acked)
+    audioReceived: 0, // output-stream samples received
+    resumeAttempts: 0,
   };
   session = s;
   pub.sampleRate = ctx.sampleRate;
@@ -170,17 +178,59 @@ async function start() {
 
   setState("connecting");
   setStatus("Connecting…");
-  s.ws.binaryType = "arraybuffer";
-  s.ws.onopen = () => {
+  attach(s, s.ws, () =>
+    s.ws.send(JSON.stringify({ type: "session.start", version: 1, sample_rate: ctx.sampleRate, dialog: true })),
+  );
+  ui.stop.disabled = false;
+}
+
+function attach(s, ws, hello) {
+  s.ws = ws;
+  ws.binaryType = "arraybuffer";
+  ws.onopen = () => {
     s.opened = true;
-    s.ws.send(JSON.stringify({ type: "session.start", version: 1, sample_rate: ctx.sampleRate, dialog: true }));
+    hello();
   };
-  s.ws.onmessage = (m) => {
+  ws.onmessage = (m) => {
     if (typeof m.data === "string") onEvent(s, JSON.parse(m.data));
     else onAudio(s, m.data);
   };
-  s.ws.onclose = (e) => onClose(s, e);
-  ui.stop.disabled = false;
+  ws.onclose = (e) => onClose(s, e);
+}
+
+// The connection failed (no closing handshake: a network drop): continue the same session on a new one.
+// The server resends the reply tokens after the last one shown and the audio after the last sample received.
+function canResume(s, e) {
+  return s.started && !s.ending && s.resume && e.code === 1006 && s.resumeAttempts < RESUME_ATTEMPTS;
+}
+
+function reconnect(s) {
+  s.resumeAttempts++;
+  setState("reconnecting");
+  setStatus("The connection dropped; reconnecting…");
+  setTimeout(() => {
+    if (s.ending) return;
+    attach(s, new WebSocket(streamUrl()), () =>
+      s.ws.send(
+        JSON.stringify({
+          type: "session.resume",
+          version: 1,
+          session_id: pub.sessionId,
+          resume_token: s.resume.token,
+          token_seq: s.tokenSeq,
+          audio_ms: (1000 * s.audioReceived) / s.outputRate,
+        }),
+      ),
+    );
+  }, RESUME_BACKOFF_MS * s.resumeAttempts);
+}
+
+function onResumed(s, ev) {
+  s.resumeAttempts = 0;
+  pub.resumes++;
+  setState("live");
+  setStatus("Reconnected. Listening.");
+  ev.tokens.forEach(([reply, text], i) => onReplyDelta(s, { reply, text, token_seq: ev.token_seq + i }));
 }
 
 function abortStart(text, code) {
@@ -237,6 +287,7 @@ function teardown(s) {
 
 async function onClose(s, e) {
   pub.closeCode = e.code;
+  if (canResume(s, e)) return reconnect(s);
   teardown(s);
   if (e.code === 1013 || pub.errors.some((x) => x.code === "overloaded")) {
     setState("error");
@@ -298,6 +349,9 @@ function onEvent(s, ev) {
     case "session.started":
       onStarted(s, ev);
       break;
+    case "session.resumed":
+      onResumed(s, ev);
+      break;
     case "frame.ack":
       pub.lastLagMs = ev.lag_ms;
       pub.maxLagMs = Math.max(pub.maxLagMs ?? 0, ev.max_lag_ms);
@@ -347,6 +401,7 @@ function onEvent(s, ev) {
 
 function onStarted(s, ev) {
   s.started = true;
+  s.resume = ev.resume ?? null;
   pub.sessionId = ev.session_id;
   pub.dialog = ev.dialog ?? false;
   s.outputRate = ev.output?.sample_rate ?? 24000;
@@ -398,8 +453,9 @@ function utteranceEl(s, n) {
 }
 
 function onReplyStarted(s, ev) {
+  if (replyOf(ev.reply)) return; // its tokens came first, in session.resumed
   const reply = {
-    reply: ev.reply, text: "", done: false, interrupted: false, heardText: null,
+    reply: ev.reply, text: "", streamedText: "", done: false, interrupted: false, heardText: null,
     audioFramesReceived: 0, audioMsReceived: 0, audioMs: null,
   };
   pub.replies.push(reply);
@@ -418,10 +474,15 @@ function replyOf(n) {
 }
 
 function onReplyDelta(s, ev) {
+  if (ev.token_seq) {
+    if (ev.token_seq <= s.tokenSeq) return; // shown already (a resume resends what was not acknowledged)
+    s.tokenSeq = ev.token_seq;
+  }
+  if (!replyOf(ev.reply)) onReplyStarted(s, ev); // (after a resume: reply.started may follow its tokens)
   const reply = replyOf(ev.reply);
-  if (!reply) return;
   if (!reply.text) recordLatency(s, ev.reply, pub.eosToFirstTextMs);
   reply.text += ev.text;
+  reply.streamedText += ev.text;
   s.replyEls.get(ev.reply).textContent = reply.text;
   // Tokens come in order on the socket: acknowledge each, so the server can forget it (and a resume
   // after a dropped connection would resend only what we have not shown).
@@ -476,6 +537,7 @@ function onAudio(s, buf) {
   }
   // PCM16 LE; every platform browsers run on is little-endian, so a plain Int16Array view reads it.
   const pcm = new Int16Array(buf, HEADER_BYTES, (buf.byteLength - HEADER_BYTES) >> 1);
+  s.audioReceived += pcm.length;
   if (reply) reply.audioMsReceived += (pcm.length / s.outputRate) * 1000;
   s.player.port.postMessage({ type: "audio", pcm }, [buf]);
 }
