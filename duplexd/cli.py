@@ -295,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=252, help="collapse: bounded window W (pool = sessions x (4 + W))")
     p.add_argument("--unbounded-window", type=int, default=2044, help="collapse: slot rows of the unbounded baseline")
     p.add_argument("--timeout", type=float, default=120.0, help="collapse: a run not done by then collapsed")
+    p.add_argument("--replicates", type=int, default=3, help="transport: loss seeds per reply stream")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser(

@@ -5,7 +5,8 @@
 2. Every stream is replayed, at its recorded pace, through the datagram path (`transport.datagram`'s codec,
    real UDP sockets on loopback) and the loss simulator (`transport.relay`) with each scheme
    (`eloquent`, `retransmit`, `duplicate`), for every loss model and RTT. Within one condition every
-   scheme gets the same seeded loss process, per direction (acks can be lost too).
+   scheme gets the same seeded loss process, per direction (acks can be lost too); `--replicates` seeds
+   per stream.
 3. The receiver renders the contiguous prefix and acks each packet. A token is *due* one one-way delay
    after it was decoded (when a lossless path of the same RTT would show it); it *stalls* from then
    (+ `GRACE_S`, scheduling noise on loopback) until it renders. `stall_ratio` = time during which at
@@ -37,7 +38,17 @@ from duplexd.transport.relay import UdpRelay
 log = logging.getLogger(__name__)
 
 SCHEMES = ("eloquent", "retransmit", "duplicate")
-LOSSES = ("bernoulli:0.01", "bernoulli:0.05", "bernoulli:0.1", "bernoulli:0.2", "ge:0.05:4", "ge:0.1:4")
+# Independent loss; bursts counted in packets (Gilbert-Elliott); bursts in time (the path is down for ~100 or
+# ~200 ms at a time, as a radio fade or handover: every packet sent meanwhile is lost, copies included).
+LOSSES = (
+    "bernoulli:0.01",
+    "bernoulli:0.05",
+    "bernoulli:0.1",
+    "bernoulli:0.2",
+    "ge:0.05:4",
+    "outage:0.05:100",
+    "outage:0.1:200",
+)
 RTTS_MS = (20, 50, 100, 200)
 QUESTIONS = (
     "What should I pack for a weekend hiking trip in the mountains?",
@@ -258,10 +269,16 @@ async def run_stream(
 
 
 async def run_condition(
-    streams: Sequence[TokenStream], loss: str, rtt_ms: float, seed: int, config: SenderConfig
+    streams: Sequence[TokenStream],
+    loss: str,
+    rtt_ms: float,
+    seed: int,
+    config: SenderConfig,
+    replicates: int = 1,
 ) -> dict[str, Any]:
-    """Every scheme over every stream, concurrently, with the same seeded loss per stream."""
-    jobs = [(scheme, i, s) for scheme in SCHEMES for i, s in enumerate(streams)]
+    """Every scheme over every stream (`replicates` seeds each), concurrently, with the same seeded loss per
+    stream and seed for every scheme."""
+    jobs = [(scheme, i, s) for scheme in SCHEMES for i, s in enumerate(list(streams) * replicates)]
     runs = await asyncio.gather(
         *(run_stream(s, scheme, loss, rtt_ms, seed * 1000 + i, config) for scheme, i, s in jobs)
     )
@@ -273,6 +290,7 @@ async def run_condition(
     out: dict[str, Any] = {
         "loss": loss,
         "rtt_ms": rtt_ms,
+        "streams": len(jobs) // len(SCHEMES),
         "stall_ratio": {s: round(stall[s] / span[s], 5) if span[s] else None for s in SCHEMES},
         "stall_s": {s: round(stall[s], 4) for s in SCHEMES},
         "complete": {s: all(r.complete for r in by[s]) for s in SCHEMES},
@@ -370,30 +388,32 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 async def run_bench(
-    streams: list[TokenStream], losses: Sequence[str], rtts: Sequence[float], config: SenderConfig
+    streams: list[TokenStream], losses: Sequence[str], rtts: Sequence[float], config: SenderConfig, replicates: int
 ) -> list[dict[str, Any]]:
     conditions = []
     for k, loss in enumerate(losses):
         for j, rtt in enumerate(rtts):
-            c = await run_condition(streams, loss, rtt, seed=100 * k + j + 1, config=config)
+            c = await run_condition(streams, loss, rtt, seed=100 * k + j + 1, config=config, replicates=replicates)
             log.info("%s rtt %g ms: stall %s", loss, rtt, {s: c["stall_ratio"][s] for s in SCHEMES})
             conditions.append(c)
     return conditions
 
 
 def main(args: argparse.Namespace) -> int:
-    losses = LOSSES[1:5:3] if args.quick else LOSSES
+    losses = ("bernoulli:0.05", "outage:0.05:100") if args.quick else LOSSES
     rtts = (50, 200) if args.quick else RTTS_MS
     questions = QUESTIONS[:2] if args.quick else QUESTIONS
     config = SenderConfig(max_packet_bytes=dg.MAX_PAYLOAD_BYTES - 64)
     log.info("recording %d real replies with the dialog engine", len(questions))
     streams = record_replies(questions, max_tokens=1000)
     t0 = time.monotonic()
-    conditions = asyncio.run(run_bench(streams, losses, rtts, config))
+    replicates = 1 if args.quick else args.replicates
+    conditions = asyncio.run(run_bench(streams, losses, rtts, config, replicates))
     result = {
         "bench": "transport",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "grace_s": GRACE_S,
+        "replicates": replicates,
         "sender": asdict(config),
         "streams": [
             {

@@ -11,6 +11,9 @@ Loss specs (`parse_loss`, `LinkConfig.loss`):
 - `none`: nothing lost;
 - `bernoulli:P`: each packet lost with probability P in [0, 1];
 - `ge:MEAN_LOSS:BURST_PACKETS`: Gilbert-Elliott with that stationary loss rate and mean burst length;
+- `outage:MEAN_LOSS:BURST_MS`: Gilbert-Elliott in time: the path alternates between up and down periods
+  (exponential, the down ones `BURST_MS` long on average, the share of time down `MEAN_LOSS`); every packet
+  sent while it is down is lost, however many there are (a fade or a handover, as radio links have);
 - `trace:PATH`: a trace file (one line per packet, `1` lost, `0` delivered, `#` comments), looped.
 """
 
@@ -29,6 +32,39 @@ class LossModel(Protocol):
     """Decides the fate of packets in order: call `lost()` exactly once per packet."""
 
     def lost(self) -> bool: ...
+
+
+class Outages:
+    """Loss in time, not per packet: a two-state (up/down) continuous-time Markov chain; a packet is lost
+    when it is sent while the path is down. `lost_at(now)` needs non-decreasing times."""
+
+    def __init__(self, mean_loss: float, burst_ms: float, seed: int) -> None:
+        _require_probability("outage mean_loss", mean_loss)
+        if mean_loss >= 1.0 or not (math.isfinite(burst_ms) and burst_ms > 0):
+            raise ValueError(f"outage needs mean_loss < 1 and burst_ms > 0, got {mean_loss!r}, {burst_ms!r}")
+        self.mean_loss = mean_loss
+        self._down_s = burst_ms / 1000.0
+        self._up_s = self._down_s * (1.0 - mean_loss) / mean_loss if mean_loss > 0 else math.inf
+        self._rng = random.Random(seed)
+        self._down = False
+        self._until: float | None = None  # when the current period ends
+
+    def lost(self) -> bool:
+        raise TypeError("Outages decides by time: call lost_at(now)")
+
+    def lost_at(self, now: float) -> bool:
+        if self.mean_loss == 0:
+            return False
+        if self._until is None:  # start in the stationary distribution
+            self._down = self._rng.random() < self.mean_loss
+            self._until = now + self._period()
+        while now >= self._until:
+            self._down = not self._down
+            self._until += self._period()
+        return self._down
+
+    def _period(self) -> float:
+        return self._rng.expovariate(1.0 / (self._down_s if self._down else self._up_s))
 
 
 def _require_probability(name: str, value: float) -> None:
@@ -206,13 +242,19 @@ def parse_loss(spec: str, seed: int) -> LossModel:
         if kind == "ge":
             mean, _, burst = rest.partition(":")
             return GilbertElliott.from_mean(_number(mean), _number(burst), seed)
+        if kind == "outage":
+            mean, _, burst = rest.partition(":")
+            return Outages(_number(mean), _number(burst), seed)  # type: ignore[return-value]
         if kind == "trace":
             if not rest:
                 raise ValueError("no path")
             return Trace.load(rest)
     except (ValueError, OSError) as e:
         raise ValueError(f"bad loss spec {spec!r}: {e}") from e
-    raise ValueError(f"bad loss spec {spec!r}: expected none, bernoulli:P, ge:MEAN_LOSS:BURST_PACKETS or trace:PATH")
+    raise ValueError(
+        f"bad loss spec {spec!r}: expected none, bernoulli:P, ge:MEAN_LOSS:BURST_PACKETS, "
+        "outage:MEAN_LOSS:BURST_MS or trace:PATH"
+    )
 
 
 def _number(text: str) -> float:
@@ -276,7 +318,7 @@ class Link:
         self._jitter_s = config.jitter_ms / 1000.0
 
     def admit(self, now: float) -> float | None:
-        if self.model.lost():
+        if self.model.lost_at(now) if isinstance(self.model, Outages) else self.model.lost():
             return None
         delay_s = self._base_delay_s
         if self._jitter_s > 0.0:

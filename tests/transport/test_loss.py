@@ -258,3 +258,32 @@ def test_link_directions_and_seeds_are_independent_but_reproducible() -> None:
     assert fates(1, 0) == fates(1, 0)
     assert fates(1, 0) != fates(1, 1)
     assert fates(1, 0) != fates(2, 0)
+
+
+def test_outages_lose_the_stated_share_of_time_in_bursts_of_the_stated_length() -> None:
+    from duplexd.transport.loss import Outages
+
+    model = Outages(0.1, burst_ms=100, seed=5)
+    dt = 0.001
+    states = [model.lost_at(i * dt) for i in range(2_000_000)]  # 2000 s, one packet per millisecond
+    assert sum(states) / len(states) == pytest.approx(0.1, abs=0.01)
+    bursts, run = [], 0
+    for lost in states:
+        if lost:
+            run += 1
+        elif run:
+            bursts.append(run * dt * 1000)
+            run = 0
+    assert sum(bursts) / len(bursts) == pytest.approx(100, rel=0.1)
+    # Loss is decided by time, not by packet count: two packets at the same instant share their fate.
+    again = Outages(0.1, burst_ms=100, seed=5)
+    assert all(again.lost_at(t) == again.lost_at(t) for t in (0.0, 0.5, 1.0, 7.3))
+
+
+def test_outage_specs_parse_and_reject_nonsense() -> None:
+    from duplexd.transport.loss import Outages
+
+    assert isinstance(parse_loss("outage:0.05:100", seed=1), Outages)
+    for bad in ("outage:1:100", "outage:0.1:0", "outage:0.1", "outage:x:5"):
+        with pytest.raises(ValueError, match="bad loss spec"):
+            parse_loss(bad, seed=1)
