@@ -362,6 +362,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _label(loss: str) -> str:
+    kind, _, rest = loss.partition(":")
+    return {"bernoulli": "B", "ge": "GE", "outage": "out"}.get(kind, kind) + " " + rest
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -376,9 +381,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for k, scheme in enumerate(SCHEMES):
             ys = [100 * (rows[loss]["stall_ratio"][scheme] or 0) for loss in losses]
             ax.bar([i + (k - 1) * 0.27 for i in range(len(losses))], ys, width=0.27, label=scheme)
-        ax.set_xticks(
-            range(len(losses)), [loss.replace("bernoulli:", "B ").replace("ge:", "GE ") for loss in losses], rotation=45
-        )
+        ax.set_xticks(range(len(losses)), [_label(loss) for loss in losses], rotation=45)
         ax.set_title(f"RTT {rtt:g} ms")
         ax.set_ylabel("stall ratio (%)")
     axes[0][0].legend()

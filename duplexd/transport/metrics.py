@@ -65,6 +65,14 @@ class Metrics:
         self.speculation_hit_ratio = Gauge(
             "duplexd_speculation_hit_ratio", "Turns that used a draft, of turns with drafts", registry=r
         )
+        self.sessions_detached = Gauge(
+            "duplexd_sessions_detached", "Sessions whose connection dropped, awaiting a resume", registry=r
+        )
+        self.resumes = Counter("duplexd_session_resumes", "Sessions continued on a new connection", registry=r)
+        self.datagrams_sent = Counter("duplexd_datagrams_sent", "Reply token datagrams sent (UDP)", registry=r)
+        self.datagrams_dropped = Counter(
+            "duplexd_datagrams_dropped", "Datagrams refused (not ours, bad MAC, replayed)", registry=r
+        )
         self._mirrored: dict[str, float] = {}
 
     def frame_lags(self, lags_ms: Iterable[float], deadline_ms: float) -> None:

@@ -17,7 +17,7 @@ import math
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
@@ -244,6 +244,11 @@ class Server:
         m.reply_lag.set(reply_lag)
         m.mirror(m.underrun, "underrun", self.underrun_closed_s + sum(s.underrun_s for s in self.sessions.values()))
         m.sessions_active.set(len(self.sessions))
+        m.sessions_detached.set(sum(not c.attached for c in self.handles.values()))
+        m.mirror(m.resumes, "resumes", self.counters["resumed"])
+        if self.datagram is not None:
+            m.mirror(m.datagrams_sent, "datagrams_sent", self.datagram.stats.sent)
+            m.mirror(m.datagrams_dropped, "datagrams_dropped", self.datagram.stats.dropped)
         m.admission_limit.set(self.admission.sessions)
         stats = self.asr.stats
         new = min(stats.passes - self._asr_passes_seen, len(stats.recent_pass_s))
@@ -330,6 +335,8 @@ class Server:
                 "contested_choices": sum(len(c.ratios) > 1 for c in self.asr.schedule),
             },
             "counters": dict(self.counters),
+            "detached_sessions": sum(not c.attached for c in self.handles.values()),
+            "datagram": None if self.datagram is None else {"port": self.datagram.port, **asdict(self.datagram.stats)},
             "admission": {
                 "enabled": self.config.admission.enabled,
                 "limit": self.admission.sessions,

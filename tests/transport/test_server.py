@@ -28,6 +28,7 @@ async def test_http_routes(make_server) -> None:
     assert status == 200 and ctype == "application/json"
     health = json.loads(body)
     assert health["status"] == "ok" and health["sessions"] == 0 and "whisper" in health["models"]["asr"]
+    assert health["datagram"]["port"] > 0 and health["detached_sessions"] == 0
     status, ctype, body = await asyncio.to_thread(_get, srv.http + "/")
     assert status == 200 and ctype.startswith("text/html") and b"/v1/stream" in body
     status, _, _ = await asyncio.to_thread(_get, srv.http + "/nope")
