@@ -82,6 +82,7 @@ class _Entry:
 class _Open:
     client: DialogClient
     done: asyncio.Future[int]
+    system_prompt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +132,11 @@ class DialogWorker:
         self._commands.append(item)
         self._wake.set()
 
-    async def open(self, client: DialogClient) -> int:
-        """A new conversation; raises `PoolFull` (an `Overloaded`) when every KV slot is taken."""
+    async def open(self, client: DialogClient, system_prompt: str | None = None) -> int:
+        """A new conversation (with the worker's system prompt unless one is given); raises `PoolFull` (an
+        `Overloaded`) when every KV slot is taken."""
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._queue(_Open(client, done))
+        self._queue(_Open(client, done, system_prompt))
         return await done
 
     def submit(self, sid: int, command: DialogCommand) -> None:
@@ -147,11 +149,11 @@ class DialogWorker:
         engine = self.engine
         while self._commands:
             match self._commands.popleft():
-                case _Open(client=client, done=done):
+                case _Open(client=client, done=done, system_prompt=prompt):
                     if done.cancelled():
                         continue
                     try:
-                        sid = self._open_session()
+                        sid = self._open_session(prompt)
                     except Exception as exc:  # PoolFull, or a broken engine
                         done.set_exception(exc)
                         continue
@@ -166,10 +168,10 @@ class DialogWorker:
                     if entry is not None:
                         self._command(sid, entry, command)
 
-    def _open_session(self) -> int:
+    def _open_session(self, system_prompt: str | None) -> int:
         while True:
             try:
-                return self.engine.open(self._system_prompt)
+                return self.engine.open(system_prompt if system_prompt is not None else self._system_prompt)
             except PoolFull:
                 oldest = self._pool.oldest()  # a draft never keeps a conversation out
                 if oldest is None:

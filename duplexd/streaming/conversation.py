@@ -179,7 +179,20 @@ class _Reply:
 
 
 class Conversation:
-    def __init__(self, turn: TurnConfig, tts: TtsConfig, *, speculate: bool = False, drafts: int = 2) -> None:
+    def __init__(
+        self,
+        turn: TurnConfig,
+        tts: TtsConfig,
+        *,
+        speculate: bool = False,
+        drafts: int = 2,
+        auto_turns: bool = True,
+        auto_respond: bool = True,
+    ) -> None:
+        self.auto_turns = auto_turns  # False: a turn ends only by `commit`/`respond` (the client decides)
+        self.auto_respond = auto_respond  # False: a turn that ends waits for `respond` to be answered
+        self._held_appends: list[AppendUserText] = []  # with auto_turns off: words not committed by the client
+        self._unanswered = False  # a turn ended without a reply (auto_respond off, or `commit`)
         self._turn = turn
         self._tts = tts
         self._speculate = speculate
@@ -241,7 +254,53 @@ class Conversation:
         text = self._continuation(texts)
         self._turn_words.extend(texts)
         self._versions += 1  # any P(end of turn) held is now for older text
+        if not self.auto_turns:  # the client may still clear them: they reach the LLM at its commit
+            self._held_appends.append(AppendUserText(text, self._versions))
+            return []
         return [AppendUserText(text, self._versions)]
+
+    def user_text(self, text: str) -> list[Output]:
+        """A typed user message: its words join the user's turn (and the LLM's context) now."""
+        texts = text.split()
+        if not texts or self._reply is not None:
+            return []
+        out = self._release_held()
+        joined = self._continuation(texts)
+        self._turn_words.extend(texts)
+        self._versions += 1
+        return [*out, AppendUserText(joined, self._versions)]
+
+    def commit(self, stream_s: float) -> list[Output]:
+        """The client says the user's turn is over (with `auto_turns` off): its words go to the LLM and
+        the turn ends; a reply follows if `auto_respond`."""
+        if self._reply is not None:
+            return []
+        out = self._release_held()
+        return out + self._end_turn(stream_s, 0.0, None, reply=self.auto_respond)
+
+    def clear(self) -> list[Output]:
+        """Forget the words of the open turn that have not reached the LLM (with `auto_turns` off: all of
+        them since the last commit). Returns nothing: the shell confirms."""
+        dropped = len(self._held_appends)
+        self._held_appends.clear()
+        if dropped:
+            self._turn_words = []
+        self._tentative.clear()
+        return []
+
+    def respond(self, stream_s: float) -> list[Output]:
+        """`response.create`: answer now. Ends the user's turn first if it has words not yet in a turn."""
+        if self._reply is not None:
+            return []
+        out = self._release_held()
+        if self._turn_words or not self._unanswered:
+            return out + self._end_turn(stream_s, 0.0, None, reply=True)
+        return out + self._start_reply()
+
+    def _release_held(self) -> list[Output]:
+        out: list[Output] = list(self._held_appends)
+        self._held_appends.clear()
+        return out
 
     def _continuation(self, texts: list[str]) -> str:
         """`texts` as appended after the turn's words so far (with a leading space unless they open it)."""
@@ -257,23 +316,31 @@ class Conversation:
         """Called as time passes (each VAD batch, each ASR pass). `silence_ms`: since the last voiced audio
         (0 while speaking); `asr_settled`: no recognizer pass due or running for this session."""
         out: list[Output] = []
-        if self._reply is not None:
+        if self._reply is not None or not self.auto_turns:
             return out
         text = " ".join(self._turn_words)
         final = asr_settled and not self._open
         p = self._p_end if self._p_version == self._versions else None
         if self._endpointer.turn_over(silence_ms=silence_ms, text_final=final, text=text, p_end=p):
-            self.turns += 1
-            eos_s = stream_s - silence_ms / 1000
-            out.append(TurnEnded(self.turns, text, eos_s, silence_ms, p))
-            self._turn_words = []
-            self._drafted.clear()
-            chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
-            self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker)
-            out += [StartReply(self.turns), ReplyStarted(self.turns)]
-        elif self._speculate and silence_ms >= max(self._turn.pause_ms, 32) and p is not None:
+            out += self._end_turn(stream_s, silence_ms, p, reply=self.auto_respond)
+        elif self._speculate and self.auto_respond and silence_ms >= max(self._turn.pause_ms, 32) and p is not None:
             out.extend(self._drafts())
         return out
+
+    def _end_turn(self, stream_s: float, silence_ms: float, p: float | None, *, reply: bool) -> list[Output]:
+        self.turns += 1
+        eos_s = stream_s - silence_ms / 1000
+        out: list[Output] = [TurnEnded(self.turns, " ".join(self._turn_words), eos_s, silence_ms, p)]
+        self._turn_words = []
+        self._drafted.clear()
+        self._unanswered = True
+        return out + (self._start_reply() if reply else [])
+
+    def _start_reply(self) -> list[Output]:
+        self._unanswered = False
+        chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
+        self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker)
+        return [StartReply(self.turns), ReplyStarted(self.turns)]
 
     def _drafts(self) -> list[Output]:
         """The user pauses and the LLM has every committed word: draft the reply for the words they have
@@ -440,6 +507,21 @@ class Conversation:
         if self._reply is None:
             return []
         return self._interrupt("cancel")
+
+    def set_turn_config(self, turn: TurnConfig) -> None:
+        """New endpointing settings (a Realtime `session.update`), from the next decision on."""
+        self._turn = turn
+        self._endpointer = Endpointer(turn)
+
+    @property
+    def text_settled(self) -> bool:
+        """No utterance is waiting for its final transcript."""
+        return not self._open
+
+    @property
+    def reply_start_sample(self) -> int | None:
+        """Where the current reply's audio begins in the output stream (None: no reply, or no audio yet)."""
+        return None if self._reply is None else self._reply.start_sample
 
     @property
     def replying(self) -> bool:

@@ -54,6 +54,7 @@ from duplexd.tts.engine import OUTPUT_SAMPLE_RATE, TtsEngine
 log = logging.getLogger(__name__)
 
 STREAM_PATH = "/v1/stream"
+REALTIME_PATH = "/v1/realtime"  # OpenAI Realtime-compatible (transport.realtime_session)
 
 # RFC 6455 close codes.
 CLOSE_NORMAL = 1000
@@ -194,7 +195,7 @@ class Server:
 
     def _route(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
-        if path == STREAM_PATH:
+        if path in (STREAM_PATH, REALTIME_PATH):
             return None  # go on with the WebSocket handshake
         if path == "/healthz":
             return _response(http.HTTPStatus.OK, "application/json", json.dumps(self.health()).encode())
@@ -361,7 +362,12 @@ class Server:
 
     async def _handle(self, ws: ServerConnection) -> None:
         self.counters["connections"] += 1
-        conn = _Connection(self, ws)
+        if ws.request is not None and ws.request.path.split("?", 1)[0] == REALTIME_PATH:
+            from duplexd.transport.realtime_session import RealtimeConnection
+
+            conn: _Connection = RealtimeConnection(self, ws)
+        else:
+            conn = _Connection(self, ws)
         try:
             await conn.run()
         finally:
@@ -453,6 +459,7 @@ class _Connection:
         )
         self.sent_audio = SentAudio(int(t.resume_audio_s * OUTPUT_SAMPLE_RATE))
         self.dgram_tag: bytes | None = None
+        self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
         self._dgram_wake = asyncio.Event()
 
     async def run(self, resume: protocol.SessionResume | None = None) -> None:
@@ -463,6 +470,7 @@ class _Connection:
                 sender = tg.create_task(self._send_loop())
                 timers = [tg.create_task(self._pace_loop()), tg.create_task(self._datagram_loop())]
                 try:
+                    await self._opening()
                     await self._read_loop()
                     self.send(None)  # let the sender finish what is queued, then stop
                 except _Closing as closing:
@@ -475,6 +483,9 @@ class _Connection:
                         task.cancel()
         except* ConnectionClosed:
             pass
+
+    async def _opening(self) -> None:
+        """Before the first message is read (the native protocol waits for `session.start`)."""
 
     def end_link(self) -> None:
         """The WebSocket is gone: end the session, or keep it for a resume if the link merely dropped."""
@@ -634,10 +645,45 @@ class _Connection:
             if self.ws.transport is not None:
                 self.ws.transport.abort()
 
+    # What goes out, in the native protocol (`_RealtimeConnection` speaks OpenAI's instead).
+
+    def _out_event(self, event: Event) -> None:
+        self.send(protocol.encode_event(event))
+
+    def _out_audio(self, seq: int, pcm: bytes) -> None:
+        self.send(protocol.encode_audio_frame(seq, pcm, protocol.BinaryKind.AUDIO_OUT))
+
+    def _out_error(self, code: ErrorCode, message: str, **extra: Any) -> None:
+        self.send(protocol.error_message(code, message, **extra))
+
+    def _started_message(self, msg: protocol.SessionStart, dialog: bool) -> dict[str, Any]:
+        t, server = self.server.config.transport, self.server
+        return {
+            "type": ServerType.SESSION_STARTED,
+            "session_id": self.session.id if self.session else None,
+            "version": protocol.PROTOCOL_VERSION,
+            "sample_rate": msg.sample_rate,
+            "dialog": dialog,
+            "output": {
+                "sample_rate": OUTPUT_SAMPLE_RATE,
+                "format": "pcm16",
+                "frame_ms": t.audio_frame_ms,
+                "lead_ms": t.audio_lead_ms,
+            },
+            "limits": {
+                "max_message_bytes": t.max_message_bytes,
+                "max_frame_ms": t.max_frame_ms,
+                "ack_interval_ms": t.ack_interval_ms,
+            },
+            "models": server.models(),
+            "resume": {"token": self.resume_token, "grace_s": t.resume_grace_s},
+            **self._open_datagram(msg),
+        }
+
     def emit(self, events: list[Event]) -> None:
         """Events of the session core (VAD, ASR): to the client, and into the conversation."""
         for event in events:
-            self.send(protocol.encode_event(event))
+            self._out_event(event)
         if self.conversation is not None:
             self._dispatch(self.conversation.observe(events))
             self._tick()
@@ -705,6 +751,8 @@ class _Connection:
             match out:
                 case cv.AppendUserText() | cv.StartReply() | cv.DraftReply() | cv.InterruptReply():
                     server.dialog.submit(self.dialog_sid, out)
+                case cv.Synthesize(reply=reply, index=index) if self.text_only:
+                    self._on_tts_audio(reply, index, np.zeros(0, np.float32))  # a text-only reply: no speech
                 case cv.Synthesize(reply=reply, index=index, text=text):
                     ahead_s = max(0, self.playout.sent + self.playout.queued - self._played()) / OUTPUT_SAMPLE_RATE
                     server.tts.submit(
@@ -732,7 +780,7 @@ class _Connection:
                 case ReplyDelta(reply=reply, text=text):
                     self._send_token(reply, text)
                 case _:
-                    self.send(protocol.encode_event(out))
+                    self._out_event(out)
         session.note_reply_audio(conv.starved and self.attached, time.monotonic())
 
     def _on_tts_audio(self, reply: int, index: int, audio: np.ndarray) -> None:
@@ -753,7 +801,7 @@ class _Connection:
             self._dispatch(self.conversation.draft_text(texts))
 
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
-        self.send(protocol.encode_event(ReplySpeculation(reply, drafts, hit, draft_tokens)))
+        self._out_event(ReplySpeculation(reply, drafts, hit, draft_tokens))
 
     def _played(self) -> int:
         """Samples of the output stream the client has played by now."""
@@ -777,7 +825,7 @@ class _Connection:
             frames, done = self.playout.take(played)
             for seq, pcm in frames:
                 self.sent_audio.sent(seq, pcm)
-                self.send(protocol.encode_audio_frame(seq, pcm, protocol.BinaryKind.AUDIO_OUT))
+                self._out_audio(seq, pcm)
             for reply in done:
                 self._dispatch(conv.audio_sent(reply))
             self._dispatch(conv.played(played))
@@ -803,17 +851,17 @@ class _Connection:
             except Overloaded as exc:
                 self.ended = True
                 extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
-                self.send(protocol.error_message(ErrorCode.OVERLOADED, str(exc), **extra))
+                self._out_error(ErrorCode.OVERLOADED, str(exc), **extra)
                 raise _Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
 
     def _on_protocol_error(self, exc: ProtocolError) -> None:
         self.server.counters["protocol_errors"] += 1
         self.errors += 1
-        self.send(protocol.error_message(exc.code, exc.message))
+        self._out_error(exc.code, exc.message)
         if exc.fatal:
             raise _Closing(_FATAL_CLOSE.get(exc.code, CLOSE_PROTOCOL_ERROR), exc.code.value)
         if self.errors >= self.server.config.transport.max_errors:
-            self.send(protocol.error_message(ErrorCode.TOO_MANY_ERRORS, "too many protocol errors"))
+            self._out_error(ErrorCode.TOO_MANY_ERRORS, "too many protocol errors")
             raise _Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
 
     async def _on_text(self, data: str) -> bool:
@@ -894,10 +942,7 @@ class _Connection:
                 self.dialog_sid = await server.dialog.open(self)  # raises PoolFull (Overloaded)
             finally:
                 server.starting -= 1
-            spec = server.config.speculation
-            self.conversation = cv.Conversation(
-                server.config.turn, server.config.tts, speculate=spec.enabled, drafts=spec.drafts_per_session
-            )
+            self.conversation = self._new_conversation()
         self.session = session
         server.sessions[session.id] = session
         server.handles[session.id] = self
@@ -911,30 +956,11 @@ class _Connection:
             extra={"event": "session.started", "session": session.id, "sessions": len(server.sessions)},
         )
         server.asr.register(session, self.emit)
-        t = server.config.transport
-        self.send(
-            {
-                "type": ServerType.SESSION_STARTED,
-                "session_id": session.id,
-                "version": protocol.PROTOCOL_VERSION,
-                "sample_rate": msg.sample_rate,
-                "dialog": dialog,
-                "output": {
-                    "sample_rate": OUTPUT_SAMPLE_RATE,
-                    "format": "pcm16",
-                    "frame_ms": t.audio_frame_ms,
-                    "lead_ms": t.audio_lead_ms,
-                },
-                "limits": {
-                    "max_message_bytes": t.max_message_bytes,
-                    "max_frame_ms": t.max_frame_ms,
-                    "ack_interval_ms": t.ack_interval_ms,
-                },
-                "models": server.models(),
-                "resume": {"token": self.resume_token, "grace_s": t.resume_grace_s},
-                **self._open_datagram(msg),
-            }
-        )
+        self.send(self._started_message(msg, dialog))
+
+    def _new_conversation(self) -> cv.Conversation:
+        spec, config = self.server.config.speculation, self.server.config
+        return cv.Conversation(config.turn, config.tts, speculate=spec.enabled, drafts=spec.drafts_per_session)
 
     def _open_datagram(self, msg: protocol.SessionStart) -> dict[str, Any]:
         datagram, t = self.server.datagram, self.server.config.transport
