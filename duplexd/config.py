@@ -307,6 +307,36 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """Who may connect, and how much any one client may take (`[security]`)."""
+
+    api_key: str = field(default="", repr=False)
+    """"": no authentication. Else every route but /healthz needs `Authorization: Bearer KEY` (or, for
+    browsers, `?api_key=KEY` in the URL). Never logged."""
+    allowed_origins: str = ""  # comma-separated `Origin`s browsers may connect from ("": any)
+    max_connections_per_ip: int = 32
+    idle_timeout_s: float = 120.0  # a connection that sends nothing this long is closed (0: never)
+    audio_burst_s: float = 10.0  # input audio may run this far ahead of real time (0: no limit)
+    tls_cert: str = ""  # PEM files: with both set the server speaks https/wss only
+    tls_key: str = ""
+    drain_timeout_s: float = 30.0  # on SIGTERM: replies in progress get this long to finish
+
+    def __post_init__(self) -> None:
+        n = self.max_connections_per_ip
+        _require(n >= 1, "security.max_connections_per_ip", n, ">= 1")
+        _require(self.idle_timeout_s >= 0, "security.idle_timeout_s", self.idle_timeout_s, ">= 0")
+        _require(self.audio_burst_s >= 0, "security.audio_burst_s", self.audio_burst_s, ">= 0")
+        _require(self.drain_timeout_s >= 0, "security.drain_timeout_s", self.drain_timeout_s, ">= 0")
+        _require(
+            bool(self.tls_cert) == bool(self.tls_key), "security.tls_cert", "(hidden)", "set together with tls_key"
+        )
+
+    @property
+    def origins(self) -> frozenset[str]:
+        return frozenset(o.strip().rstrip("/") for o in self.allowed_origins.split(",") if o.strip())
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     vad: VadConfig = field(default_factory=VadConfig)
@@ -316,6 +346,7 @@ class ServerConfig:
     tts: TtsConfig = field(default_factory=TtsConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def _coerce(value: str, kind: Any, name: str) -> Any:

@@ -28,6 +28,9 @@ class ErrorCode(StrEnum):
     NO_REPLY = "no_reply"
     BAD_ACK = "bad_ack"
     RESUME_REFUSED = "resume_refused"
+    RATE_LIMITED = "rate_limited"
+    IDLE_TIMEOUT = "idle_timeout"
+    SHUTTING_DOWN = "shutting_down"
 
 
 class DuplexdError(Exception):

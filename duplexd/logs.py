@@ -37,3 +37,22 @@ def setup(*, verbose: bool = False, json_lines: bool = False) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     logging.getLogger("faster_whisper").setLevel(logging.WARNING)
     logging.getLogger("websockets.server").setLevel(logging.WARNING)
+
+
+class Redact(logging.Filter):
+    """Replaces a secret (the API key) wherever it would appear in a record's message: a key sent in a
+    query string is part of the request line some loggers print."""
+
+    def __init__(self, secret: str) -> None:
+        super().__init__()
+        self.secret = secret
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secret:
+            message = record.getMessage()
+            if self.secret in message:
+                record.msg, record.args = message.replace(self.secret, "[redacted]"), ()
+        return True
+
+
+REDACTED_LOGGERS = ("duplexd", "websockets.server", "websockets.protocol")

@@ -138,7 +138,7 @@ class RealtimeConnection(_Connection):
                     )
                 self._commit_pending = True
                 silence = np.zeros(int(COMMIT_SILENCE_S * rt.AUDIO_RATE), "<i2").tobytes()
-                await self._append(silence)
+                await self._append(silence, limited=False)  # (ours, not the client's: not rate limited)
                 self._maybe_commit()
             case rt.AudioClear():
                 conv.clear()
@@ -195,18 +195,22 @@ class RealtimeConnection(_Connection):
             self._reported = (self.playout.sent, time.monotonic())
             self._dispatch(conv.played(self.playout.sent))
 
-    async def _append(self, pcm: bytes) -> None:
+    async def _append(self, pcm: bytes, *, limited: bool = True) -> None:
         session = self.session
         assert session is not None
         step = 2 * rt.AUDIO_RATE * self.server.config.transport.max_frame_ms // 1000
+        now = time.monotonic()
+        if limited and not self.audio_limit.allow(len(pcm) / 2 / rt.AUDIO_RATE, now):
+            raise rt.RealtimeError(
+                "rate_limited",
+                f"Audio is arriving faster than real time ({self.audio_limit.ahead_s(now):.1f} s ahead, "
+                f"{self.audio_limit.burst_s:g} s allowed); this append was dropped.",
+                param="audio",
+            )
         for at in range(0, len(pcm), step):
             self._in_seq += 1
-            self._accept_audio(pcm[at : at + step])
-            chunks = session.accept_frame(self._in_seq, pcm[at : at + step], time.monotonic())
+            chunks = session.accept_frame(self._in_seq, pcm[at : at + step], now)
             await self._run_vad(session, chunks)
-
-    def _accept_audio(self, pcm: bytes) -> None:
-        """Hook for the audio rate limit (the native path applies it to binary frames)."""
 
     async def _update(self, u: rt.SessionUpdate, event_id: str | None) -> None:
         conv, server = self.conversation, self.server

@@ -14,9 +14,10 @@ import http
 import json
 import logging
 import math
+import ssl
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
@@ -25,10 +26,10 @@ import numpy as np
 from websockets.asyncio.server import Server as WsServer
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.http11 import Request, Response
 
-from duplexd import __version__
+from duplexd import __version__, logs
 from duplexd.asr.engine import AsrEngine
 from duplexd.asr.vad import SileroVad
 from duplexd.config import ServerConfig
@@ -44,6 +45,7 @@ from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
 from duplexd.transport import protocol
 from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, DatagramEndpoint, new_key
+from duplexd.transport.limits import AudioRateLimit, authorized, origin_allowed
 from duplexd.transport.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from duplexd.transport.metrics import Metrics
 from duplexd.transport.packetizer import Ack, Eloquent, SenderConfig
@@ -114,6 +116,8 @@ class Server:
         self.sessions: dict[str, Session] = {}
         self.handles: dict[str, _Connection] = {}  # every session's handle, attached or awaiting a resume
         self.datagram: DatagramEndpoint | None = None
+        self.draining = False  # SIGTERM: no new sessions; replies in progress finish
+        self.per_ip: Counter[str] = Counter()  # open WebSocket connections by client address
         self.counters = {
             "connections": 0,
             "sessions": 0,
@@ -144,6 +148,30 @@ class Server:
         self._ws: WsServer | None = None
         self._started = time.monotonic()
 
+    def _tls(self) -> ssl.SSLContext | None:
+        sec = self.config.security
+        if not sec.tls_cert:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(sec.tls_cert, sec.tls_key)
+        return context
+
+    async def drain(self) -> None:
+        """Stop admitting; let replies in progress finish (up to `drain_timeout_s`); then tell every client
+        the server is going away (the connections are closed with 1001 next)."""
+        self.draining = True
+        deadline = time.monotonic() + self.config.security.drain_timeout_s
+        log.info("draining: %d sessions", len(self.sessions), extra={"event": "server.draining"})
+        while time.monotonic() < deadline:
+            if not any(c.busy_replying for c in self.handles.values() if c.attached):
+                break
+            await asyncio.sleep(0.05)  # (a reply ends through many paths; polling them is simplest)
+        for conn in list(self.handles.values()):
+            if conn.attached:
+                conn.ended = True
+                conn._out_error(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+                await conn.flush(timeout_s=1.0)
+
     @property
     def port(self) -> int:
         assert self._ws is not None, "server not started"
@@ -152,6 +180,9 @@ class Server:
     async def run(self, stop: asyncio.Event, *, ready: asyncio.Future[int] | None = None) -> None:
         """Serve until `stop` is set, then close every connection and stop the workers."""
         t = self.config.transport
+        redact = logs.Redact(self.config.security.api_key)
+        for name in logs.REDACTED_LOGGERS:  # (the key can arrive in a request line: `?token=...`)
+            logging.getLogger(name).addFilter(redact)
         if t.datagram:
             self.datagram = await DatagramEndpoint.open(t.datagram_host or t.host, t.datagram_port)
         try:
@@ -171,16 +202,20 @@ class Server:
                     max_size=t.max_message_bytes,
                     max_queue=16,
                     server_header=f"duplexd/{__version__}",
+                    ssl=self._tls(),
                 ) as ws:
                     self._ws = ws
                     if ready is not None:
                         ready.set_result(self.port)
                     await stop.wait()
+                    await self.drain()
                     ws.close(close_connections=True)
                     await ws.wait_closed()
                 for task in workers:
                     task.cancel()
         finally:
+            for name in logs.REDACTED_LOGGERS:
+                logging.getLogger(name).removeFilter(redact)
             for conn in list(self.handles.values()):
                 conn.release()
             if self.datagram is not None:
@@ -195,7 +230,19 @@ class Server:
 
     def _route(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
+        sec = self.config.security
+        if path in (STREAM_PATH, REALTIME_PATH, "/metrics") and not authorized(
+            sec.api_key, request.headers.get("Authorization"), request.path
+        ):
+            return _json_error(http.HTTPStatus.UNAUTHORIZED, "unauthorized", "a valid API key is required", auth=True)
         if path in (STREAM_PATH, REALTIME_PATH):
+            if not origin_allowed(sec.origins, request.headers.get("Origin")):
+                return _json_error(http.HTTPStatus.FORBIDDEN, "forbidden_origin", "this origin may not connect")
+            ip = _peer_ip(connection)
+            if self.per_ip[ip] >= sec.max_connections_per_ip:
+                return _json_error(
+                    http.HTTPStatus.TOO_MANY_REQUESTS, "too_many_connections", "too many connections from this address"
+                )
             return None  # go on with the WebSocket handshake
         if path == "/healthz":
             return _response(http.HTTPStatus.OK, "application/json", json.dumps(self.health()).encode())
@@ -223,6 +270,8 @@ class Server:
 
     def admits(self) -> bool:
         """A new session would be admitted now (below the hard limit and, if enabled, the AIMD limit)."""
+        if self.draining:
+            return False
         n = len(self.sessions) + self.starting
         if n >= self.config.transport.max_sessions:
             return False
@@ -361,6 +410,16 @@ class Server:
     # -- WebSocket ----------------------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
+        ip = _peer_ip(ws)
+        self.per_ip[ip] += 1
+        try:
+            await self._serve_connection(ws)
+        finally:
+            self.per_ip[ip] -= 1
+            if self.per_ip[ip] <= 0:
+                del self.per_ip[ip]
+
+    async def _serve_connection(self, ws: ServerConnection) -> None:
         self.counters["connections"] += 1
         if ws.request is not None and ws.request.path.split("?", 1)[0] == REALTIME_PATH:
             from duplexd.transport.realtime_session import RealtimeConnection
@@ -409,6 +468,18 @@ def _static_file(path: str) -> tuple[str, bytes] | None:
         return None
     file = resources.files("duplexd.clients.web").joinpath(name)
     return (content_type, file.read_bytes()) if file.is_file() else None
+
+
+def _peer_ip(connection: ServerConnection) -> str:
+    address = connection.remote_address
+    return str(address[0]) if address else "?"
+
+
+def _json_error(status: http.HTTPStatus, code: str, message: str, *, auth: bool = False) -> Response:
+    response = _response(status, "application/json", json.dumps({"error": {"code": code, "message": message}}).encode())
+    if auth:
+        response.headers["WWW-Authenticate"] = 'Bearer realm="duplexd"'
+    return response
 
 
 def _response(status: http.HTTPStatus, content_type: str, body: bytes) -> Response:
@@ -460,6 +531,7 @@ class _Connection:
         self.sent_audio = SentAudio(int(t.resume_audio_s * OUTPUT_SAMPLE_RATE))
         self.dgram_tag: bytes | None = None
         self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
+        self.audio_limit = AudioRateLimit(server.config.security.audio_burst_s)
         self._dgram_wake = asyncio.Event()
 
     async def run(self, resume: protocol.SessionResume | None = None) -> None:
@@ -486,6 +558,18 @@ class _Connection:
 
     async def _opening(self) -> None:
         """Before the first message is read (the native protocol waits for `session.start`)."""
+
+    @property
+    def busy_replying(self) -> bool:
+        return self.conversation is not None and self.conversation.replying
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until everything queued for the client has been written."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._out.empty():
+                break
+            await asyncio.sleep(0.01)
 
     def end_link(self) -> None:
         """The WebSocket is gone: end the session, or keep it for a resume if the link merely dropped."""
@@ -838,7 +922,16 @@ class _Connection:
     # inbound
 
     async def _read_loop(self) -> None:
-        async for message in self.ws:
+        idle_s = self.server.config.security.idle_timeout_s or None
+        while True:
+            try:
+                message = await asyncio.wait_for(self.ws.recv(), idle_s)
+            except TimeoutError:
+                self.ended = True
+                self._out_error(ErrorCode.IDLE_TIMEOUT, f"nothing received for {idle_s:.0f} s")
+                raise _Closing(CLOSE_POLICY, ErrorCode.IDLE_TIMEOUT.value) from None
+            except ConnectionClosedOK:
+                return
             try:
                 if isinstance(message, str):
                     done = await self._on_text(message)
@@ -982,7 +1075,14 @@ class _Connection:
         if session is None:
             raise ProtocolError(ErrorCode.NOT_STARTED, "audio before session.start", fatal=True)
         frame = protocol.parse_binary(data, session.sample_rate, self.server.limits)
-        chunks = session.accept_frame(frame.seq, frame.pcm, time.monotonic())
+        now = time.monotonic()
+        if not self.audio_limit.allow(len(frame.pcm) / 2 / session.sample_rate, now):
+            raise ProtocolError(
+                ErrorCode.RATE_LIMITED,
+                f"audio is arriving faster than real time ({self.audio_limit.ahead_s(now):.1f} s ahead, "
+                f"{self.audio_limit.burst_s:g} s allowed): frame {frame.seq} dropped",
+            )
+        chunks = session.accept_frame(frame.seq, frame.pcm, now)
         await self._run_vad(session, chunks)
 
     async def _run_vad(self, session: Session, chunks: Any) -> None:
