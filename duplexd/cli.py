@@ -170,6 +170,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         args.sessions = args.sessions or 6
         return bench_collapse.main(args)
+    if args.what == "chaos":
+        from duplexd.bench import chaos as bench_chaos
+
+        return bench_chaos.main(args)
     if args.what == "transport":
         from duplexd.bench import transport as bench_transport
 
@@ -267,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
     p.add_argument(
-        "what", choices=["asr", "llm", "voice", "speculation", "capacity", "overload", "collapse", "transport"]
+        "what", choices=["asr", "llm", "voice", "speculation", "capacity", "overload", "collapse", "transport", "chaos"]
     )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
@@ -296,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unbounded-window", type=int, default=2044, help="collapse: slot rows of the unbounded baseline")
     p.add_argument("--timeout", type=float, default=120.0, help="collapse: a run not done by then collapsed")
     p.add_argument("--replicates", type=int, default=3, help="transport: loss seeds per reply stream")
+    p.add_argument("--fuzz-messages", type=int, default=10_000, help="chaos: fuzzed messages over both endpoints")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser(

@@ -1,0 +1,297 @@
+"""Misbehaving clients against a real server: fuzzed messages on both endpoints (hypothesis strategies),
+abrupt disconnects with resume, and a bystander whose session must not notice.
+
+The strategies generate what a buggy or hostile client sends: every message type of both protocols with
+fields of the wrong type, missing, out of range or unknown; JSON that is not an object; text that is not
+JSON; binary frames with random headers, kinds, sequence numbers and payload sizes. `corpus` draws them
+with hypothesis (derandomized, so a seed reproduces a run); `duplexd bench chaos` and
+tests/transport/test_fuzz.py send them over real sockets.
+
+Requires the test extras (hypothesis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import os
+import platform
+import resource
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+log = logging.getLogger(__name__)
+
+NATIVE_TYPES = ["session.start", "session.end", "playback", "reply.cancel", "ack", "session.resume"]
+REALTIME_TYPES = [
+    "session.update",
+    "input_audio_buffer.append",
+    "input_audio_buffer.commit",
+    "input_audio_buffer.clear",
+    "conversation.item.create",
+    "response.create",
+    "response.cancel",
+    "conversation.item.truncate",
+]
+# A server that closes for a reason says so: 1011 (an internal error) or a dropped TCP stream is a crash.
+CLEAN_CLOSES = {1000, 1001, 1002, 1003, 1007, 1008, 1009, 1013}
+
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+)
+_json = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+    max_leaves=12,
+)
+
+
+def _valid_native() -> st.SearchStrategy[dict[str, Any]]:
+    return st.one_of(
+        st.fixed_dictionaries(
+            {"type": st.just("session.start"), "version": st.just(1), "sample_rate": st.sampled_from([16000, 48000])},
+            optional={"dialog": st.booleans(), "datagram": st.booleans()},
+        ),
+        st.fixed_dictionaries({"type": st.just("playback"), "played_ms": st.floats(-10, 1e6)}),
+        st.fixed_dictionaries({"type": st.just("ack"), "token_seq": st.integers(-5, 1000)}),
+        st.just({"type": "reply.cancel"}),
+    )
+
+
+def _valid_realtime() -> st.SearchStrategy[dict[str, Any]]:
+    audio = st.binary(min_size=0, max_size=4800).map(lambda b: base64.b64encode(b).decode())
+    return st.one_of(
+        st.fixed_dictionaries({"type": st.just("input_audio_buffer.append"), "audio": audio}),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("session.update"),
+                "session": st.fixed_dictionaries(
+                    {"type": st.just("realtime")},
+                    optional={
+                        "instructions": st.text(max_size=60),
+                        "output_modalities": st.sampled_from([["audio"], ["text"], ["video"], []]),
+                        "audio": st.fixed_dictionaries(
+                            {},
+                            optional={
+                                "input": st.fixed_dictionaries(
+                                    {},
+                                    optional={
+                                        "turn_detection": st.one_of(
+                                            st.none(),
+                                            st.fixed_dictionaries(
+                                                {"type": st.just("server_vad")},
+                                                optional={"silence_duration_ms": st.integers(-100, 20000)},
+                                            ),
+                                        )
+                                    },
+                                )
+                            },
+                        ),
+                    },
+                ),
+            }
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("conversation.item.create"),
+                "item": st.fixed_dictionaries(
+                    {
+                        "type": st.just("message"),
+                        "role": st.sampled_from(["user", "assistant", "system"]),
+                        "content": st.lists(
+                            st.fixed_dictionaries(
+                                {"type": st.sampled_from(["input_text", "input_audio"]), "text": st.text(max_size=40)}
+                            ),
+                            max_size=2,
+                        ),
+                    }
+                ),
+            }
+        ),
+        st.sampled_from([{"type": t} for t in REALTIME_TYPES]),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("conversation.item.truncate"),
+                "item_id": st.text(max_size=10),
+                "audio_end_ms": st.integers(-10, 10**7),
+            }
+        ),
+    )
+
+
+def _mutated(types: list[str]) -> st.SearchStrategy[dict[str, Any]]:
+    """A known `type` with arbitrary fields, or an arbitrary `type`."""
+    return st.builds(
+        lambda t, extra: {"type": t, **extra},
+        st.one_of(st.sampled_from(types), st.text(max_size=30), _scalars),
+        st.dictionaries(st.text(max_size=16), _json, max_size=5),
+    )
+
+
+def _binary() -> st.SearchStrategy[bytes]:
+    header = st.builds(
+        lambda kind, seq: struct.pack("<B3xI", kind, seq), st.integers(0, 255), st.integers(0, 2**32 - 1)
+    )
+    return st.one_of(
+        st.binary(max_size=64),
+        st.builds(lambda h, body: h + body, header, st.binary(max_size=9000)),
+        st.builds(
+            lambda seq, n: struct.pack("<B3xI", 1, seq) + bytes(2 * n), st.integers(0, 2**32 - 1), st.integers(0, 5000)
+        ),
+    )
+
+
+def messages(endpoint: str) -> st.SearchStrategy[str | bytes]:
+    valid = _valid_native() if endpoint == "stream" else _valid_realtime()
+    types = NATIVE_TYPES if endpoint == "stream" else REALTIME_TYPES
+    as_json = st.one_of(valid, _mutated(types), _json).map(lambda m: json.dumps(m, allow_nan=True))
+    return st.one_of(as_json, as_json, st.text(max_size=80), _binary())
+
+
+def corpus(endpoint: str, examples: int, max_per_connection: int = 40) -> list[list[str | bytes]]:
+    """`examples` message sequences (one per connection), drawn by hypothesis from `messages(endpoint)`
+    (derandomized: the same corpus every run);
+    stream sequences start with a valid `session.start` half of the time (so the session's own handlers,
+    not only the handshake's, get the rest)."""
+    out: list[list[str | bytes]] = []
+    start = json.dumps({"type": "session.start", "version": 1, "sample_rate": 16000, "dialog": True})
+
+    @settings(
+        max_examples=examples,
+        database=None,
+        derandomize=True,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(st.booleans(), st.lists(messages(endpoint), min_size=1, max_size=max_per_connection))
+    def collect(started: bool, msgs: list[str | bytes]) -> None:
+        out.append(([start] if started and endpoint == "stream" else []) + msgs)
+
+    collect()
+    return out
+
+
+def corpus_of(endpoint: str, messages: int) -> list[list[str | bytes]]:
+    """A corpus of at least `messages` messages (hypothesis decides the sequences' lengths)."""
+    examples = max(1, messages // 4)
+    while True:
+        sequences = corpus(endpoint, examples)
+        if sum(map(len, sequences)) >= messages:
+            return sequences
+        examples = int(examples * 1.5) + 1
+
+
+@dataclass(slots=True)
+class FuzzResult:
+    connections: int = 0
+    messages: int = 0
+    closes: dict[str, int] = field(default_factory=dict)
+    crashes: int = 0  # connections that ended with an unclean close (1011, or no close frame)
+    refused_handshakes: int = 0
+
+
+async def fuzz(url: str, sequences: Sequence[Sequence[str | bytes]], *, concurrency: int = 4) -> FuzzResult:
+    """Send each sequence on its own connection (`concurrency` at a time); record how each ended."""
+    result = FuzzResult()
+    queue = list(sequences)
+
+    async def one(seq: Sequence[str | bytes]) -> None:
+        try:
+            async with connect(url, open_timeout=20, close_timeout=5, max_size=2**22) as ws:
+                result.connections += 1
+
+                async def drain() -> None:
+                    try:
+                        async for _ in ws:
+                            pass
+                    except ConnectionClosed:
+                        pass  # (how it closed is read from `close_code` below)
+
+                async with asyncio.TaskGroup() as tg:
+                    reader = tg.create_task(drain())
+                    for msg in seq:
+                        try:
+                            await ws.send(msg)
+                            result.messages += 1
+                        except ConnectionClosed:
+                            break
+                    try:
+                        await asyncio.wait_for(ws.close(), 10)
+                    except TimeoutError:
+                        pass
+                    reader.cancel()
+        except ConnectionClosed:
+            pass
+        except InvalidStatus:
+            result.refused_handshakes += 1
+            return
+        code = ws.close_code
+        result.closes[str(code)] = result.closes.get(str(code), 0) + 1
+        if code not in CLEAN_CLOSES:
+            result.crashes += 1
+            log.warning("connection ended with %s after %d messages", code, len(seq))
+
+    async def worker() -> None:
+        while queue:
+            await one(queue.pop())
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(concurrency):
+            tg.create_task(worker())
+    return result
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(args: argparse.Namespace) -> int:
+    from duplexd.bench.server import server_process
+
+    t0 = time.monotonic()
+    # Fuzzing the handlers, not the admission controller: garbage audio makes lag, and a server that
+    # refuses the next sessions would spare its handlers the rest of the corpus.
+    settings = {"security.audio_burst_s": "0", "admission.enabled": "false"}
+    with server_process(settings=settings) as port:
+        base = f"ws://127.0.0.1:{port}"
+        results = {}
+        for endpoint, path in (("stream", "/v1/stream"), ("realtime", "/v1/realtime")):
+            sequences = corpus_of(endpoint, args.fuzz_messages // 2)
+            results[endpoint] = asyncio.run(fuzz(base + path, sequences))
+            log.info("fuzzed %s: %s", endpoint, results[endpoint])
+    out = {
+        "bench": "chaos",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "fuzz_messages": sum(r.messages for r in results.values()),
+        "fuzz_connections": sum(r.connections for r in results.values()),
+        "crashes": sum(r.crashes for r in results.values()),
+        "by_endpoint": {k: asdict(v) for k, v in results.items()},
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: out[k] for k in ("fuzz_messages", "fuzz_connections", "crashes", "wall_s")}))
+    return 0 if out["crashes"] == 0 else 1

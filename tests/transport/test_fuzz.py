@@ -1,0 +1,75 @@
+"""Hypothesis-generated garbage on both endpoints of a real server, while a bystander converses: no
+connection ends uncleanly, the server logs no error, and the bystander's session keeps its frame deadlines.
+(`duplexd bench chaos` sends 10,000+ of them.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+
+from duplexd.bench.chaos import corpus, fuzz
+from duplexd.config import SecurityConfig, ServerConfig
+from duplexd.transport.protocol import encode_audio_frame
+
+pytestmark = pytest.mark.slow
+
+SILENCE = np.zeros(320, "<i2").tobytes()
+
+
+async def test_fuzzed_messages_on_both_endpoints_crash_nothing_and_spare_a_bystander(make_server, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    srv = await make_server(ServerConfig(security=SecurityConfig(audio_burst_s=0)))
+    acks: list[dict] = []
+    sent: list[int] = []
+    stop = asyncio.Event()
+
+    async def bystander() -> None:
+        async with connect(srv.url) as ws:
+            await ws.send(json.dumps({"type": "session.start", "version": 1, "sample_rate": 16000, "dialog": False}))
+            await ws.recv()
+
+            async def listen() -> None:
+                async for raw in ws:
+                    if isinstance(raw, str) and (event := json.loads(raw))["type"] == "frame.ack":
+                        acks.append(event)
+
+            async with asyncio.TaskGroup() as tg:
+                listener = tg.create_task(listen())
+                seq = 0
+                while not stop.is_set():
+                    seq += 1
+                    await ws.send(encode_audio_frame(seq, SILENCE))
+                    await asyncio.sleep(0.02)
+                sent.append(seq)
+                await ws.send(json.dumps({"type": "session.end"}))
+                await listener
+
+    async with asyncio.TaskGroup() as tg:
+        watcher = tg.create_task(bystander())
+        await asyncio.sleep(0.5)
+        results = {
+            path: await fuzz(srv.url.replace("/v1/stream", path), corpus(endpoint, 40))
+            for endpoint, path in (("stream", "/v1/stream"), ("realtime", "/v1/realtime"))
+        }
+        await asyncio.sleep(0.5)
+        stop.set()
+        await watcher
+
+    for path, r in results.items():
+        assert r.crashes == 0 and r.connections == 40, (path, r)
+        assert r.messages >= 150, (path, r)
+    server_errors = [
+        r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith(("duplexd", "websockets.server"))
+    ]
+    assert not server_errors, [r.getMessage() for r in server_errors]
+    # The bystander was served throughout: an ack for every 100 ms of its audio, within the frame deadline.
+    (frames,) = sent
+    assert acks and acks[-1]["seq"] >= frames - 5 and len(acks) >= frames // 5 - 1, (frames, acks)
+    assert max(a["max_lag_ms"] for a in acks) < 200
+    health = srv.server.health()
+    assert health["status"] == "ok" and health["sessions"] == 0
