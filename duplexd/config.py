@@ -115,6 +115,7 @@ class TransportConfig:
     audio_lead_ms: int = 1000  # reply audio is sent at most this far ahead of the client's playback
     resume_grace_s: float = 30.0  # a dropped connection's session waits this long for `session.resume` (0: never)
     resume_audio_s: float = 10.0  # reply audio kept for a resume, counted from the client's last playback report
+    resume_events: int = 1024  # events kept until the client acknowledges them (`ack.event_seq`), for a resume
     max_unacked_tokens: int = 1024  # reply tokens kept until the client acknowledges them (the Eloquent bound)
     max_unacked_bytes: int = 64 * 1024
     datagram: bool = True  # offer the UDP datagram path for reply tokens (`session.start {datagram: true}`)

@@ -47,6 +47,8 @@ REALTIME_TYPES = [
 ]
 # A server that closes for a reason says so: 1011 (an internal error) or a dropped TCP stream is a crash.
 CLEAN_CLOSES = {1000, 1001, 1002, 1003, 1007, 1008, 1009, 1013}
+SOAK_KEYS = ("sessions_admitted", "deadline_miss_ratio", "eos_to_first_audio_p90_s", "collapsed")
+SUMMARY_KEYS = ("fuzz_messages", "crashes", "reconnect_cycles", "lost_tokens", "lost_events", "soak_rss_growth_mb")
 
 _scalars = st.one_of(
     st.none(),
@@ -204,6 +206,7 @@ class FuzzResult:
     closes: dict[str, int] = field(default_factory=dict)
     crashes: int = 0  # connections that ended with an unclean close (1011, or no close frame)
     refused_handshakes: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)  # HTTP status -> count
 
 
 async def fuzz(url: str, sequences: Sequence[Sequence[str | bytes]], *, concurrency: int = 4) -> FuzzResult:
@@ -238,8 +241,10 @@ async def fuzz(url: str, sequences: Sequence[Sequence[str | bytes]], *, concurre
                     reader.cancel()
         except ConnectionClosed:
             pass
-        except InvalidStatus:
+        except InvalidStatus as exc:
             result.refused_handshakes += 1
+            status = str(exc.response.status_code)
+            result.refusals[status] = result.refusals.get(status, 0) + 1
             return
         code = ws.close_code
         result.closes[str(code)] = result.closes.get(str(code), 0) + 1
@@ -269,29 +274,227 @@ def rss_mb(pid: int) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    from duplexd.bench.server import server_process
+    import sys
+
+    from duplexd.bench import scenarios as sc
+    from duplexd.bench.data import load_clips
+    from duplexd.bench.server import child_process, free_port, health
+    from duplexd.clients import loadtest
 
     t0 = time.monotonic()
+    clips = load_clips(args.data) if args.data else load_clips()
+    speech = sc.load(next(c for c in clips if c.path.name.startswith("clip22")).path)
+    port = free_port()
     # Fuzzing the handlers, not the admission controller: garbage audio makes lag, and a server that
-    # refuses the next sessions would spare its handlers the rest of the corpus.
-    settings = {"security.audio_burst_s": "0", "admission.enabled": "false"}
-    with server_process(settings=settings) as port:
+    # refuses the next sessions would spare its handlers the rest of the corpus. (And every client here
+    # comes from one address: no per-address limit either.)
+    env = dict(os.environ)
+    env.update(
+        {
+            "DUPLEXD_SECURITY__AUDIO_BURST_S": "0",
+            "DUPLEXD_ADMISSION__ENABLED": "false",
+            "DUPLEXD_SECURITY__MAX_CONNECTIONS_PER_IP": "100000",
+        }
+    )
+    cmd = [sys.executable, "-m", "duplexd", "serve", "--port", str(port)]
+    out: dict[str, Any] = {
+        "bench": "chaos",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+    }
+    with child_process(cmd, name="duplexd serve", up=lambda: health(port), env=env) as proc:
         base = f"ws://127.0.0.1:{port}"
         results = {}
         for endpoint, path in (("stream", "/v1/stream"), ("realtime", "/v1/realtime")):
             sequences = corpus_of(endpoint, args.fuzz_messages // 2)
             results[endpoint] = asyncio.run(fuzz(base + path, sequences))
             log.info("fuzzed %s: %s", endpoint, results[endpoint])
-    out = {
-        "bench": "chaos",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "fuzz_messages": sum(r.messages for r in results.values()),
-        "fuzz_connections": sum(r.connections for r in results.values()),
-        "crashes": sum(r.crashes for r in results.values()),
-        "by_endpoint": {k: asdict(v) for k, v in results.items()},
-        "wall_s": round(time.monotonic() - t0, 1),
-    }
+        out["fuzz_messages"] = sum(r.messages for r in results.values())
+        out["fuzz_connections"] = sum(r.connections for r in results.values())
+        out["crashes"] = sum(r.crashes for r in results.values())
+        out["fuzz"] = {k: asdict(v) for k, v in results.items()}
+        out["healthy_after_fuzz"] = health(port)["status"] == "ok"
+
+        if args.cycles:
+            t = time.monotonic()
+
+            def progress(i: int) -> None:
+                if i % 100 == 99:
+                    log.info("reconnect cycle %d", i + 1)
+
+            cycles = asyncio.run(reconnect_cycles(base + "/v1/stream", speech, sc.RATE, args.cycles, on_cycle=progress))
+            log.info("reconnect cycles: %s", cycles)
+            out.update(
+                reconnect_cycles=cycles.cycles,
+                lost_tokens=cycles.lost_tokens,
+                lost_events=cycles.lost_events,
+                cycles=asdict(cycles) | {"wall_s": round(time.monotonic() - t, 1)},
+            )
+
+        if args.soak_s:
+            samples: list[dict[str, float]] = []
+            t = time.monotonic()
+
+            async def soak() -> dict[str, Any]:
+                async def sample() -> None:
+                    while True:
+                        samples.append({"t_s": round(time.monotonic() - t, 1), "rss_mb": round(rss_mb(proc.pid), 1)})
+                        await asyncio.sleep(10)
+
+                sampler = asyncio.create_task(sample())
+                try:
+                    return await loadtest.run(
+                        base + "/v1/stream", args.n_star, args.soak_s, clips, ramp=False, session_s=60.0
+                    )
+                finally:
+                    sampler.cancel()
+
+            load = asyncio.run(soak())
+            rss = [x["rss_mb"] for x in samples]
+            out.update(
+                soak_sessions=args.n_star,
+                soak_s=args.soak_s,
+                soak_rss_mb=samples,
+                soak_rss_growth_mb=round(rss[-1] - rss[min(6, len(rss) - 1)], 1) if rss else None,
+                soak_load={
+                    k: load[k]
+                    for k in ("sessions_admitted", "deadline_miss_ratio", "eos_to_first_audio_p90_s", "collapsed")
+                },
+            )
+    out["wall_s"] = round(time.monotonic() - t0, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({k: out[k] for k in ("fuzz_messages", "fuzz_connections", "crashes", "wall_s")}))
-    return 0 if out["crashes"] == 0 else 1
+    keys = (
+        "fuzz_messages",
+        "crashes",
+        "reconnect_cycles",
+        "lost_tokens",
+        "lost_events",
+        "soak_rss_growth_mb",
+        "wall_s",
+    )
+    print(json.dumps({k: out.get(k) for k in keys}))
+    return 0 if out["crashes"] == 0 and not out.get("lost_tokens") and not out.get("lost_events") else 1
+
+
+@dataclass(slots=True)
+class CycleResult:
+    cycles: int = 0
+    lost_tokens: int = 0  # tokens the server sent that the client never rendered
+    lost_events: int = 0  # gaps in the events' `n`
+    duplicates_skipped: int = 0  # events and tokens replayed that the client already had (expected)
+    replies: int = 0
+    replies_mismatched: int = 0  # rendered text != reply.done text
+    finals: int = 0
+    resume_refused: int = 0
+
+
+async def reconnect_cycles(
+    url: str, speech: Any, rate: int, cycles: int, *, seed: int = 0, on_cycle: Any = None, final_s: float = 20.0
+) -> CycleResult:
+    """One conversation whose connection is killed (no closing handshake) `cycles` times, each after a
+    random 50–400 ms, and resumed at once; the client talks (`speech` again and again, with pauses) and
+    renders replies. Counts what never arrived: tokens, events (`n`), and replies that do not match."""
+    import random
+
+    import numpy as np
+
+    from duplexd.clients.stream import SessionRefused, StreamClient
+    from duplexd.transport.packetizer import Packet, Receiver, Token
+    from duplexd.transport.protocol import parse_audio_out
+
+    rng = random.Random(seed)
+    result = CycleResult()
+    receiver = Receiver()
+    texts: dict[int, str] = {}
+    done_texts: dict[int, str] = {}
+    state = {"event_seq": 0, "audio_bytes": 0, "last_token": 0}
+    step = rate // 50
+    pause = np.zeros(rate * 3, np.int16)
+    mic = np.concatenate([speech, pause]).astype("<i2")
+    position = 0
+    client = await StreamClient.connect(url)
+    started = await client.start(rate, dialog=True)
+    state["event_seq"] = started["n"]
+
+    def take(event: dict) -> bool:
+        n = event.get("n")
+        if n is not None:
+            if n <= state["event_seq"]:
+                result.duplicates_skipped += 1
+                return False
+            if n != state["event_seq"] + 1:
+                result.lost_events += n - state["event_seq"] - 1
+            state["event_seq"] = n
+        return True
+
+    def render(tokens: tuple[Token, ...]) -> None:
+        for t in receiver.receive(Packet(0, tokens)):
+            texts[t.reply] = texts.get(t.reply, "") + t.text
+
+    for cycle in range(cycles + 1):
+        live_s = rng.uniform(0.05, 0.4) if cycle < cycles else final_s
+        deadline = time.monotonic() + live_s
+
+        async def receive(c: StreamClient = client) -> None:
+            async for raw in c.ws:
+                if isinstance(raw, bytes):
+                    state["audio_bytes"] += len(parse_audio_out(raw).pcm)
+                    continue
+                event = json.loads(raw)
+                if not take(event):
+                    continue
+                kind = event["type"]
+                if kind == "reply.delta":
+                    state["last_token"] = max(state["last_token"], event["token_seq"])
+                    render((Token(event["token_seq"], event["reply"], event["text"]),))
+                    await c.ack(receiver.contiguous, state["event_seq"])
+                elif kind == "reply.done":
+                    done_texts[event["reply"]] = event["text"]
+                elif kind == "transcript.final":
+                    result.finals += 1
+
+        async with asyncio.TaskGroup() as tg:
+            reader = tg.create_task(receive())
+            while time.monotonic() < deadline:
+                frame = mic[position : position + step]
+                position = (position + step) % (len(mic) - step)
+                try:
+                    await client.send_pcm(frame.tobytes())
+                except ConnectionClosed:
+                    break
+                await asyncio.sleep(0.02)
+            if cycle == cycles:  # the last lap: end cleanly, let everything arrive
+                await client.end()
+                await asyncio.wait_for(reader, 60)
+            else:
+                assert client.ws.transport is not None
+                client.ws.transport.abort()
+                reader.cancel()
+        if cycle == cycles:
+            break
+        result.cycles += 1
+        if on_cycle is not None:
+            on_cycle(cycle)
+        try:
+            client, resumed = await StreamClient.resume(
+                url,
+                started,
+                token_seq=receiver.contiguous,
+                audio_ms=1000 * state["audio_bytes"] / 2 / 24000,
+                seq=client.seq,
+                event_seq=state["event_seq"],
+            )
+        except SessionRefused:
+            result.resume_refused += 1
+            break
+        take(resumed)
+        if resumed["tokens"]:
+            first = resumed["token_seq"]
+            tokens = tuple(Token(first + i, r, t) for i, (r, t) in enumerate(resumed["tokens"]))
+            state["last_token"] = max(state["last_token"], tokens[-1].seq)
+            render(tokens)
+    await client.close()
+    result.lost_tokens = max(0, state["last_token"] - receiver.contiguous)
+    result.replies = len(done_texts)
+    result.replies_mismatched = sum(1 for r, text in done_texts.items() if texts.get(r, "") != text)
+    return result

@@ -80,11 +80,19 @@ class StreamClient:
 
     @classmethod
     async def resume(
-        cls, url: str, started: dict[str, Any], *, token_seq: int, audio_ms: float, seq: int
+        cls,
+        url: str,
+        started: dict[str, Any],
+        *,
+        token_seq: int,
+        audio_ms: float,
+        seq: int,
+        event_seq: int | None = None,
     ) -> tuple[StreamClient, dict[str, Any]]:
         """Continue the session `started` (its `session.started`) on a new connection, after a drop: the
         server resends the reply tokens after `token_seq` and the reply audio after `audio_ms`.
-        `seq` is the last audio frame number sent before the drop. Returns the client and `session.resumed`."""
+        `seq` is the last audio frame number sent before the drop; with `event_seq` (the last event `n`
+        received) the server also replays every event after it. Returns the client and `session.resumed`."""
         client = cls(await connect(url, max_size=2**22, open_timeout=30))
         client.seq = seq
         await client.ws.send(
@@ -96,6 +104,7 @@ class StreamClient:
                     "resume_token": started["resume"]["token"],
                     "token_seq": token_seq,
                     "audio_ms": audio_ms,
+                    **({} if event_seq is None else {"event_seq": event_seq}),
                 }
             )
         )
@@ -105,9 +114,11 @@ class StreamClient:
             raise SessionRefused(reply)
         return client, reply
 
-    async def ack(self, token_seq: int) -> None:
-        """Every reply token up to `token_seq` has been rendered (the server may forget them)."""
-        await self.ws.send(json.dumps({"type": "ack", "token_seq": token_seq}))
+    async def ack(self, token_seq: int | None = None, event_seq: int | None = None) -> None:
+        """Every reply token up to `token_seq` has been rendered, every event up to `event_seq` received
+        (the server may forget them)."""
+        fields = {k: v for k, v in (("token_seq", token_seq), ("event_seq", event_seq)) if v is not None}
+        await self.ws.send(json.dumps({"type": "ack", **fields}))
 
     async def send_pcm(self, pcm: bytes) -> None:
         self.seq += 1

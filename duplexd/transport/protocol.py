@@ -74,11 +74,13 @@ class SessionResume:
     resume_token: str
     token_seq: int  # the client has rendered every reply token up to this one
     audio_ms: float  # ... and received this much of the output audio stream
+    event_seq: int | None = None  # ... and every event up to this `n` (None: replay none)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenAck:
-    token_seq: int
+    token_seq: int | None  # every reply token up to this one has been rendered
+    event_seq: int | None = None  # every event up to this `n` has been received
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,10 +138,10 @@ def parse_text(data: str, limits: Limits) -> TextMessage:
     if kind == ClientType.REPLY_CANCEL:
         return ReplyCancel()
     if kind == ClientType.ACK:
-        seq = msg.get("token_seq")
-        if not _is_count(seq):
-            raise ProtocolError(ErrorCode.BAD_ACK, "ack.token_seq must be a non-negative integer")
-        return TokenAck(seq)
+        seq, events = msg.get("token_seq"), msg.get("event_seq")
+        if (seq is None and events is None) or any(v is not None and not _is_count(v) for v in (seq, events)):
+            raise ProtocolError(ErrorCode.BAD_ACK, "ack needs token_seq and/or event_seq, non-negative integers")
+        return TokenAck(seq, events)
     if kind == ClientType.SESSION_RESUME:
         return _parse_resume(msg)
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind[:64]!r}")
@@ -187,7 +189,10 @@ def _parse_resume(msg: dict[str, Any]) -> SessionResume:
         raise ProtocolError(ErrorCode.RESUME_REFUSED, "session.resume.token_seq must be an integer >= 0", fatal=True)
     if not isinstance(audio_ms, int | float) or isinstance(audio_ms, bool) or not 0 <= audio_ms < math.inf:
         raise ProtocolError(ErrorCode.RESUME_REFUSED, "session.resume.audio_ms must be a number >= 0", fatal=True)
-    return SessionResume(version, sid, token, seq, float(audio_ms))
+    events = msg.get("event_seq")
+    if events is not None and not _is_count(events):
+        raise ProtocolError(ErrorCode.RESUME_REFUSED, "session.resume.event_seq must be an integer >= 0", fatal=True)
+    return SessionResume(version, sid, token, seq, float(audio_ms), events)
 
 
 def _split_binary(data: bytes, expected: BinaryKind) -> tuple[int, bytes]:

@@ -58,6 +58,8 @@ class _Response:
 
 
 class RealtimeConnection(_Connection):
+    numbered = False
+
     def __init__(self, server: Any, ws: Any) -> None:
         super().__init__(server, ws)
         self.ids = rt.Ids("")

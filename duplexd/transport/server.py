@@ -488,6 +488,8 @@ def _response(status: http.HTTPStatus, content_type: str, body: bytes) -> Respon
 
 
 class _Connection:
+    numbered = True  # native events carry `n` and are kept for a resume (Realtime has no resume)
+
     """A session's handle and its current WebSocket: a reader that feeds the session cores, a sender that
     drains a bounded queue, (in a conversation) a pacer that sends reply audio as the client plays it, and
     (with the datagram path) a timer that repeats unacknowledged tokens.
@@ -532,6 +534,10 @@ class _Connection:
         self.dgram_tag: bytes | None = None
         self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
         self.audio_limit = AudioRateLimit(server.config.security.audio_burst_s)
+        self._event_n = 0  # events sent, numbered `n` (all but frame.ack)
+        self._event_log: deque[tuple[int, str]] = deque()  # (n, text) not yet acknowledged
+        self._event_log_max = t.resume_events
+        self._events_forgotten = 0  # the log dropped events up to here (its bound)
         self._dgram_wake = asyncio.Event()
 
     async def run(self, resume: protocol.SessionResume | None = None) -> None:
@@ -634,13 +640,16 @@ class _Connection:
         # frames from `sent_audio` (cut where the client's copy ends); frames sent before the drop but
         # not received go first, since they left before anything still queued.
         queued: list[str | bytes] = []
+        replay = msg.event_seq is not None
+        if replay:  # every event after the client's last, from the log (queued ones are in it too)
+            queued += [text for n, text in self._event_log if n > msg.event_seq]
         while not self._out.empty():
             item = self._out.get_nowait()
             if isinstance(item, bytes):
                 f = resend.pop(protocol.BINARY_HEADER.unpack_from(item)[1], None)
                 if f is not None:
                     queued.append(protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT))
-            elif item is not None and not item.startswith('{"type":"reply.delta"'):
+            elif item is not None and not replay and not item.startswith('{"type":"reply.delta"'):
                 queued.append(item)
         self.attached = True
         self._link_closed = asyncio.Event()
@@ -655,6 +664,7 @@ class _Connection:
                     "tokens_lost": max(0, self.tokens.evicted_through - msg.token_seq),
                     "audio_ms": round(1000 * (audio + missing) / OUTPUT_SAMPLE_RATE, 3),
                     "audio_lost_ms": round(1000 * missing / OUTPUT_SAMPLE_RATE, 3),
+                    "events_lost": max(0, self._events_forgotten - msg.event_seq) if replay else None,
                 }
             )
         )
@@ -714,6 +724,13 @@ class _Connection:
     def send(self, msg: dict[str, Any] | str | bytes | None) -> None:
         if self._overflowed:
             return
+        if isinstance(msg, dict) and self.numbered and msg.get("type") != ServerType.FRAME_ACK:
+            # Numbered and kept until acknowledged, so a resume can replay what a dead socket swallowed.
+            self._event_n += 1
+            msg = protocol.dumps({**msg, "n": self._event_n})
+            self._event_log.append((self._event_n, msg))
+            if len(self._event_log) > self._event_log_max:
+                self._events_forgotten = self._event_log.popleft()[0]
         try:
             self._out.put_nowait(msg if msg is None or isinstance(msg, str | bytes) else protocol.dumps(msg))
         except asyncio.QueueFull:
@@ -978,12 +995,20 @@ class _Connection:
             case protocol.Playback(played_ms=played_ms):
                 self._on_playback(played_ms)
                 return False
-            case protocol.TokenAck(token_seq=seq):
-                if seq > self.tokens.last_seq:
+            case protocol.TokenAck(token_seq=seq, event_seq=events):
+                if seq is not None and seq > self.tokens.last_seq:
                     raise ProtocolError(
                         ErrorCode.BAD_ACK, f"ack.token_seq {seq} is past the last token sent ({self.tokens.last_seq})"
                     )
-                self.tokens.ack(Ack(seq), time.monotonic())
+                if events is not None and events > self._event_n:
+                    raise ProtocolError(
+                        ErrorCode.BAD_ACK, f"ack.event_seq {events} is past the last event sent ({self._event_n})"
+                    )
+                if seq is not None:
+                    self.tokens.ack(Ack(seq), time.monotonic())
+                if events is not None:
+                    while self._event_log and self._event_log[0][0] <= events:
+                        self._event_log.popleft()
                 return False
             case protocol.ReplyCancel():
                 if self.conversation is None or not self.conversation.replying:

@@ -40,6 +40,8 @@ class Listener:
         self.tokens: list[Token] = []
         self.audio = bytearray()
         self.events: list[dict] = []
+        self.event_seq = 0  # last event `n` taken
+        self.gaps: list[tuple[int, int]] = []  # (expected n, received n) where events went missing
 
     @property
     def audio_ms(self) -> float:
@@ -66,11 +68,17 @@ class Listener:
                     self.audio += parse_audio_out(raw).pcm
                 else:
                     event = json.loads(raw)
+                    if "n" in event:
+                        if event["n"] <= self.event_seq:
+                            continue  # replayed after the resume, and taken already
+                        if event["n"] != self.event_seq + 1:
+                            self.gaps.append((self.event_seq + 1, event["n"]))
+                        self.event_seq = event["n"]
                     self.events.append(event)
                     if event["type"] == "reply.delta":
                         token = Token(event["token_seq"], event["reply"], event["text"])
                         self.render(self.receiver.receive(Packet(0, (token,))))
-                        await client.ack(self.receiver.contiguous)
+                        await client.ack(self.receiver.contiguous, self.event_seq)
                 if until():
                     stop.set()
                     return
@@ -92,6 +100,7 @@ async def test_a_client_killed_mid_reply_resumes_with_nothing_lost_or_repeated(m
     me = Listener()
     client = await StreamClient.connect(srv.url)
     started = await client.start(sc.RATE, dialog=True)
+    me.event_seq = started["n"]
     question = np.concatenate([sc.silence(0.3), sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)])
     await say(client, question)
 
@@ -106,10 +115,10 @@ async def test_a_client_killed_mid_reply_resumes_with_nothing_lost_or_repeated(m
     assert srv.server.counters["detached"] == 1 and len(srv.server.sessions) == 1
 
     client, resumed = await StreamClient.resume(
-        srv.url, started, token_seq=heard_before[0], audio_ms=heard_before[1], seq=client.seq
+        srv.url, started, token_seq=heard_before[0], audio_ms=heard_before[1], seq=client.seq, event_seq=me.event_seq
     )
     assert resumed["session_id"] == started["session_id"]
-    assert resumed["tokens_lost"] == 0 and resumed["audio_lost_ms"] == 0
+    assert resumed["tokens_lost"] == 0 and resumed["audio_lost_ms"] == 0 and resumed["events_lost"] == 0
     assert resumed["audio_ms"] == pytest.approx(heard_before[1], abs=0.05)  # audio continues where ours ends
     assert resumed["token_seq"] == heard_before[0] + 1 or not resumed["tokens"]
     tokens = tuple(Token(resumed["token_seq"] + i, r, t) for i, (r, t) in enumerate(resumed["tokens"]))
@@ -124,6 +133,8 @@ async def test_a_client_killed_mid_reply_resumes_with_nothing_lost_or_repeated(m
     # The text rendered across the kill is the whole reply, each token once, in order.
     assert me.text(1) == done["text"] and len(done["text"]) > len(me.text(1)[:12])
     assert [t.seq for t in me.tokens] == list(range(1, len(me.tokens) + 1))
+    # Every event of the session arrived exactly once, across the kill (`n` 1, 2, 3, ... without a gap).
+    assert me.gaps == [] and me.event_seq > 10
     # Every sample of the reply's audio arrived exactly once: the lengths agree to the sample.
     assert len(me.audio) // 2 == round(done["audio_ms"] * OUT_RATE / 1000)
     assert srv.server.counters["resumed"] == 1
@@ -153,3 +164,15 @@ async def test_a_resume_token_that_is_not_the_sessions_own_is_refused(make_serve
     await client.end()
     events = [json.loads(m) async for m in client.ws if isinstance(m, str)]
     assert events[-1]["type"] == "session.ended" and client.ws.close_code == 1000
+
+
+async def test_many_abrupt_disconnects_with_resume_lose_nothing(make_server, clip_by_name) -> None:
+    from duplexd.bench.chaos import reconnect_cycles
+
+    srv = await make_server()
+    speech = sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)
+    r = await reconnect_cycles(srv.url, speech, sc.RATE, 40, seed=1, final_s=12.0)
+    assert r.cycles == 40 and r.resume_refused == 0
+    assert r.lost_events == 0 and r.lost_tokens == 0 and r.replies_mismatched == 0, r
+    assert r.finals >= 1 and r.replies >= 1, r  # the conversation went on through the cuts
+    assert srv.server.counters["resumed"] == 40

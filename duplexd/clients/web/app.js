@@ -161,6 +161,7 @@ async function start() {
     endTimer: null,
     resume: null, // session.started.resume {token, grace_s}
     tokenSeq: 0, // last reply token rendered (acked)
+    eventSeq: 0, // last event `n` handled: a resume replays those after it, and repeats are skipped
     audioReceived: 0, // output-stream samples received
     resumeAttempts: 0,
   };
@@ -218,6 +219,7 @@ function reconnect(s) {
           session_id: pub.sessionId,
           resume_token: s.resume.token,
           token_seq: s.tokenSeq,
+          event_seq: s.eventSeq,
           audio_ms: (1000 * s.audioReceived) / s.outputRate,
         }),
       ),
@@ -345,6 +347,10 @@ function sentTimeOf(s, t) {
 // -- server events --------------------------------------------------------------------------------
 
 function onEvent(s, ev) {
+  if (ev.n) {
+    if (ev.n <= s.eventSeq) return; // replayed after a resume, and handled already
+    s.eventSeq = ev.n;
+  }
   switch (ev.type) {
     case "session.started":
       onStarted(s, ev);
@@ -487,7 +493,7 @@ function onReplyDelta(s, ev) {
   // Tokens come in order on the socket: acknowledge each, so the server can forget it (and a resume
   // after a dropped connection would resend only what we have not shown).
   if (ev.token_seq && s.ws.readyState === WebSocket.OPEN) {
-    s.ws.send(JSON.stringify({ type: "ack", token_seq: ev.token_seq }));
+    s.ws.send(JSON.stringify({ type: "ack", token_seq: ev.token_seq, event_seq: s.eventSeq }));
   }
 }
 
