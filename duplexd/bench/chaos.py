@@ -48,7 +48,15 @@ REALTIME_TYPES = [
 # A server that closes for a reason says so: 1011 (an internal error) or a dropped TCP stream is a crash.
 CLEAN_CLOSES = {1000, 1001, 1002, 1003, 1007, 1008, 1009, 1013}
 SOAK_KEYS = ("sessions_admitted", "deadline_miss_ratio", "eos_to_first_audio_p90_s", "collapsed")
-SUMMARY_KEYS = ("fuzz_messages", "crashes", "reconnect_cycles", "lost_tokens", "lost_events", "soak_rss_growth_mb")
+SUMMARY_KEYS = (
+    "fuzz_messages",
+    "crashes",
+    "reconnect_cycles",
+    "lost_tokens",
+    "lost_events",
+    "soak_rss_growth_mb",
+    "slow_reader_max_buffer_bytes",
+)
 
 _scalars = st.one_of(
     st.none(),
@@ -304,15 +312,20 @@ def main(args: argparse.Namespace) -> int:
     with child_process(cmd, name="duplexd serve", up=lambda: health(port), env=env) as proc:
         base = f"ws://127.0.0.1:{port}"
         results = {}
-        for endpoint, path in (("stream", "/v1/stream"), ("realtime", "/v1/realtime")):
+        for endpoint, path in (("stream", "/v1/stream"), ("realtime", "/v1/realtime")) if args.fuzz_messages else ():
             sequences = corpus_of(endpoint, args.fuzz_messages // 2)
             results[endpoint] = asyncio.run(fuzz(base + path, sequences))
             log.info("fuzzed %s: %s", endpoint, results[endpoint])
         out["fuzz_messages"] = sum(r.messages for r in results.values())
         out["fuzz_connections"] = sum(r.connections for r in results.values())
-        out["crashes"] = sum(r.crashes for r in results.values())
+        out["crashes"] = sum(r.crashes for r in results.values()) if results else None
         out["fuzz"] = {k: asdict(v) for k, v in results.items()}
         out["healthy_after_fuzz"] = health(port)["status"] == "ok"
+        # Fuzz clients that vanished mid-session left their sessions waiting for a resume (30 s).
+        deadline = time.monotonic() + 60
+        while health(port)["sessions"] and time.monotonic() < deadline:
+            time.sleep(1)
+        out["sessions_left_after_fuzz"] = health(port)["sessions"]
 
         if args.cycles:
             t = time.monotonic()
@@ -360,20 +373,17 @@ def main(args: argparse.Namespace) -> int:
                     for k in ("sessions_admitted", "deadline_miss_ratio", "eos_to_first_audio_p90_s", "collapsed")
                 },
             )
+        if args.slow_reader_s:
+            slow = asyncio.run(
+                slow_reader(base + "/v1/stream", speech, sc.RATE, args.slow_reader_s, lambda: health(port))
+            )
+            log.info("slow reader: %s", slow)
+            out.update(slow_reader_max_buffer_bytes=slow["max_buffer_bytes"], slow_reader=slow)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    keys = (
-        "fuzz_messages",
-        "crashes",
-        "reconnect_cycles",
-        "lost_tokens",
-        "lost_events",
-        "soak_rss_growth_mb",
-        "wall_s",
-    )
-    print(json.dumps({k: out.get(k) for k in keys}))
-    return 0 if out["crashes"] == 0 and not out.get("lost_tokens") and not out.get("lost_events") else 1
+    print(json.dumps({k: out.get(k) for k in (*SUMMARY_KEYS, "wall_s")}))
+    return 0 if not out["crashes"] and not out.get("lost_tokens") and not out.get("lost_events") else 1
 
 
 @dataclass(slots=True)
@@ -498,3 +508,60 @@ async def reconnect_cycles(
     result.replies = len(done_texts)
     result.replies_mismatched = sum(1 for r, text in done_texts.items() if texts.get(r, "") != text)
     return result
+
+
+async def slow_reader(url: str, speech: Any, rate: int, seconds: float, sample: Any) -> dict[str, Any]:
+    """A client that talks (asks again and again) but never reads what the server sends: its socket's
+    receive buffer is small and its WebSocket queue holds one message, so TCP pushes back at once. The
+    server must keep what it holds for the client bounded and close the session. `sample()` returns the
+    server's /healthz."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import numpy as np
+
+    from duplexd.transport.protocol import encode_audio_frame
+
+    parts = urlsplit(url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((parts.hostname, parts.port))
+    sock.setblocking(False)
+    ws = await connect(url, sock=sock, max_queue=1, max_size=2**22)
+    await ws.send(json.dumps({"type": "session.start", "version": 1, "sample_rate": rate, "dialog": True}))
+    mic = np.concatenate([speech, np.zeros(rate * 4, np.int16)]).astype("<i2")
+    step, position, seq = rate // 50, 0, 0
+    t0 = time.monotonic()
+    peak, closed_after = 0, None
+    next_sample = t0
+    while time.monotonic() - t0 < seconds:
+        seq += 1
+        try:
+            await asyncio.wait_for(ws.send(encode_audio_frame(seq, mic[position : position + step].tobytes())), 5)
+        except (ConnectionClosed, TimeoutError):
+            pass
+        position = (position + step) % (len(mic) - step)
+        if time.monotonic() >= next_sample:
+            next_sample += 1.0
+            h = await asyncio.to_thread(sample)
+            peak = max(peak, h["outbound_bytes_max"])
+            if h["counters"]["slow_consumers"] and closed_after is None:
+                closed_after = time.monotonic() - t0
+                break
+        await asyncio.sleep(0.02)
+    code = reason = None
+    try:  # now read: what the server said before it closed
+        while True:
+            await asyncio.wait_for(ws.recv(), 5)
+    except ConnectionClosed:
+        code, reason = ws.close_code, ws.close_reason
+    except TimeoutError:
+        pass
+    await ws.close()
+    return {
+        "seconds": round(time.monotonic() - t0, 1),
+        "closed_after_s": None if closed_after is None else round(closed_after, 1),
+        "max_buffer_bytes": peak,
+        "close_code_seen": code,
+        "close_reason_seen": reason,
+    }

@@ -7,6 +7,7 @@ reply (`converse_pcm(inject=...)`); never synthesized voices. Audio is int16 mon
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import soundfile as sf
 import soxr
 
 from duplexd.clients.converse import ConversationResult
+from duplexd.config import ServerConfig, TtsConfig
 
 RATE = 16_000
 
@@ -92,3 +94,17 @@ class During:
 
 
 Inject = Callable[[ConversationResult], np.ndarray | None]
+
+
+STORYTELLER_PROMPT = "You are a storyteller. Answer every message with a long story of at least six sentences."
+
+
+def storyteller(max_reply_tokens: int = 120, speed: float = 0.5) -> ServerConfig:
+    """A server configuration whose replies are long and slowly spoken (long enough to talk over, to cut a
+    connection in, or to drain): SmolLM2-135M often just repeats a statement back, so ask for stories."""
+    return ServerConfig(
+        dialog=dataclasses.replace(
+            ServerConfig().dialog, system_prompt=STORYTELLER_PROMPT, max_reply_tokens=max_reply_tokens
+        ),
+        tts=TtsConfig(speed=speed),
+    )

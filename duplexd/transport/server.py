@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import http
 import json
 import logging
@@ -126,6 +127,7 @@ class Server:
             "detached": 0,
             "resumed": 0,
             "expired": 0,
+            "slow_consumers": 0,
         }
         a = config.admission
         capacity = t.max_sessions if self.dialog is None else min(t.max_sessions, config.dialog.max_sessions)
@@ -386,6 +388,7 @@ class Server:
             },
             "counters": dict(self.counters),
             "detached_sessions": sum(not c.attached for c in self.handles.values()),
+            "outbound_bytes_max": max((c.outbound_bytes for c in self.handles.values() if c.attached), default=0),
             "datagram": None if self.datagram is None else {"port": self.datagram.port, **asdict(self.datagram.stats)},
             "admission": {
                 "enabled": self.config.admission.enabled,
@@ -507,6 +510,7 @@ class _Connection:
         self.resume_token = new_resume_token()
         self._expiry: asyncio.TimerHandle | None = None
         self._lost_while_detached = False
+        self._slow_close: asyncio.Task[None] | None = None  # closing a client that does not read
         self._link_closed = asyncio.Event()
         self.session: Session | None = None
         self.conversation: cv.Conversation | None = None
@@ -583,7 +587,7 @@ class _Connection:
         self._link_closed.set()
         if self.session is None:
             return
-        grace = self.server.config.transport.resume_grace_s
+        grace = self.server.config.transport.resume_grace_s if self.numbered else 0.0  # (Realtime: no resume)
         close = self.ws.protocol.close_rcvd  # (None: the link failed without a closing handshake)
         dropped = close is None or close.code == CLOSE_WILL_RESUME
         if self.ended or self._overflowed or not dropped or grace <= 0:
@@ -743,8 +747,23 @@ class _Connection:
             self._overflowed = True
             sid = self.session.id if self.session else None
             log.warning("closing slow client %s", sid, extra={"event": "session.slow_client", "session": sid})
-            if self.ws.transport is not None:
-                self.ws.transport.abort()
+            self.server.counters["slow_consumers"] += 1
+            self._slow_close = asyncio.get_running_loop().create_task(self._close_slow())
+
+    async def _close_slow(self) -> None:
+        """Close 1008 `slow_consumer` (the frame queues behind what the client has not read; a client that
+        reads again sees it), and drop the connection if it does not answer within 2 s."""
+        with contextlib.suppress(TimeoutError, ConnectionClosed):
+            await asyncio.wait_for(self.ws.close(CLOSE_POLICY, ErrorCode.SLOW_CONSUMER.value), 2.0)
+        if self.ws.transport is not None:
+            self.ws.transport.abort()
+
+    @property
+    def outbound_bytes(self) -> int:
+        """What waits to be written to this client: the queue, and the socket's user-space buffer."""
+        queued = sum(len(m) for m in list(self._out._queue) if m is not None)  # type: ignore[attr-defined]
+        transport = self.ws.transport
+        return queued + (transport.get_write_buffer_size() if transport is not None else 0)
 
     # What goes out, in the native protocol (`_RealtimeConnection` speaks OpenAI's instead).
 

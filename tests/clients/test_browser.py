@@ -7,7 +7,6 @@ Chromium is driven over the DevTools protocol (tests/clients/cdp.py). Needs /usr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -18,8 +17,8 @@ import soundfile as sf
 import soxr
 from cdp import CdpError, Page, launch_chromium
 
+from duplexd.bench import scenarios as sc
 from duplexd.bench.data import Clip
-from duplexd.config import ServerConfig, TtsConfig
 
 pytestmark = pytest.mark.slow
 
@@ -130,14 +129,7 @@ async def test_voice_conversation_in_chromium(make_server, fake_mic_wav: Path, t
     assert problems == [], problems
 
 
-STORYTELLER = ServerConfig(
-    dialog=dataclasses.replace(
-        ServerConfig().dialog,
-        system_prompt="You are a storyteller. Answer every message with a long story of at least six sentences.",
-        max_reply_tokens=80,
-    ),
-    tts=TtsConfig(speed=0.7),
-)
+STORYTELLER = sc.storyteller(max_reply_tokens=80, speed=0.7)
 
 
 async def test_the_page_resumes_the_session_when_its_connection_drops(

@@ -4,7 +4,6 @@ recording, a real TCP connection torn down without a closing handshake."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 
@@ -13,21 +12,13 @@ import pytest
 
 from duplexd.bench import scenarios as sc
 from duplexd.clients.stream import SessionRefused, StreamClient
-from duplexd.config import ServerConfig, TtsConfig
 from duplexd.transport.packetizer import Packet, Receiver, Token
 from duplexd.transport.protocol import parse_audio_out
 
 pytestmark = pytest.mark.slow
 
 OUT_RATE = 24_000
-LONG_REPLY = ServerConfig(
-    dialog=dataclasses.replace(
-        ServerConfig().dialog,
-        system_prompt="You are a storyteller. Answer every message with a long story of at least six sentences.",
-        max_reply_tokens=80,
-    ),
-    tts=TtsConfig(speed=0.7),
-)
+LONG_REPLY = sc.storyteller(max_reply_tokens=80, speed=0.7)
 SILENCE_16K_20MS = np.zeros(320, np.int16).tobytes()
 
 

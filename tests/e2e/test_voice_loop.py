@@ -3,28 +3,16 @@ into conversations, a client that plays the reply audio in real time and reports
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from duplexd.bench import scenarios as sc
 from duplexd.bench.data import normalize, wer
 from duplexd.clients.converse import ConversationResult, converse_pcm
-from duplexd.config import ServerConfig, TtsConfig
 
 pytestmark = pytest.mark.slow
 
-# A reply long enough to talk over: SmolLM2-135M often just repeats a statement back (a few seconds of
-# speech, over before a talk-over is recognized), so ask for stories and have them told slowly.
-STORYTELLER = ServerConfig(
-    dialog=dataclasses.replace(
-        ServerConfig().dialog,
-        system_prompt="You are a storyteller. Answer every message with a long story of at least six sentences.",
-        max_reply_tokens=120,
-    ),
-    tts=TtsConfig(speed=0.5),
-)
+STORYTELLER = sc.storyteller(max_reply_tokens=120, speed=0.5)
 
 
 def kinds(result: ConversationResult) -> list[str]:

@@ -20,6 +20,7 @@ from openai.types.realtime import RealtimeServerEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
 from duplexd.bench import scenarios as sc  # noqa: E402
+from duplexd.bench.data import wer  # noqa: E402
 
 SERVER_EVENT = TypeAdapter(RealtimeServerEvent)
 CHUNK_S = 0.1
@@ -141,3 +142,61 @@ async def test_the_official_client_streams_speech_and_gets_transcripts_text_and_
         await conn.response.cancel()  # nothing in progress: an error event, the session goes on
         parsed = await conn.recv()
         assert type(parsed).__name__ == "RealtimeErrorEvent" and parsed.error.code == "response_cancel_not_active"
+
+
+async def test_client_committed_turns_clear_cancel_and_truncate(make_server, clip_by_name) -> None:
+    srv = await make_server()
+    client = openai.AsyncOpenAI(api_key="x", websocket_base_url=f"ws://127.0.0.1:{srv.port}/v1")
+    events = Events()
+    speech = pcm24(sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path))
+    step = int(CHUNK_S * 24000)
+
+    async def say(audio: np.ndarray) -> None:
+        t0 = time.monotonic()
+        for i in range(0, len(audio), step):
+            await conn.input_audio_buffer.append(audio=base64.b64encode(audio[i : i + step].tobytes()).decode())
+            await asyncio.sleep(max(0.0, t0 + (i // step + 1) * CHUNK_S - time.monotonic()))
+
+    async with client.realtime.connect(model="duplexd") as conn:
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+        await events.pump(conn, lambda e: "session.updated" in e.kinds())
+        # Said, then cleared: none of it reaches a turn.
+        async with asyncio.TaskGroup() as tg:
+            pump = tg.create_task(events.pump(conn, lambda e: False))
+            await say(speech[: 24000 * 2])
+            await asyncio.sleep(1.5)  # let the recognizer commit some words
+            await conn.input_audio_buffer.clear()
+            # Said again, committed by the client: one turn, no reply until response.create.
+            await say(speech)
+            await conn.input_audio_buffer.commit()
+            deadline = time.monotonic() + 60
+            while "conversation.item.input_audio_transcription.completed" not in events.kinds():
+                assert time.monotonic() < deadline, events.kinds()
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(2.0)
+            assert "response.created" not in events.kinds()  # (create_response is off without server VAD)
+            await conn.response.create()
+            while not events.of("response.output_audio.delta"):
+                assert time.monotonic() < deadline + 60, events.kinds()
+                await asyncio.sleep(0.05)
+            item_id = events.of("response.output_audio.delta")[0]["item_id"]
+            await conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=300)
+            while "response.done" not in events.kinds():
+                assert time.monotonic() < deadline + 90, events.kinds()
+                await asyncio.sleep(0.05)
+            pump.cancel()
+    kinds = events.kinds()
+    assert "input_audio_buffer.cleared" in kinds
+    (completed,) = events.of("conversation.item.input_audio_transcription.completed")
+    assert kinds.count("input_audio_buffer.committed") == 1
+    # Only the committed audio's words: the cleared two seconds (the clip's start) are not in the turn again.
+    reference = clip_by_name["clip22_deepspeech_new_home.wav"].text
+    assert wer([reference], [completed["transcript"]]) <= 0.4, completed
+    (truncated,) = events.of("conversation.item.truncated")
+    assert truncated["audio_end_ms"] == 300
+    done = events.of("response.done")[0]["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
+    # What stays in the conversation is what was heard: at most the first 300 ms of the reply.
+    heard = done["output"][0]["content"][0]["transcript"]
+    spoken = "".join(e["delta"] for e in events.of("response.output_audio_transcript.delta"))
+    assert spoken.startswith(heard) and len(heard) < len(spoken)
