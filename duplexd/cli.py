@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cycles", type=int, default=1000, help="chaos: abrupt disconnect/resume cycles")
     p.add_argument("--soak-s", type=float, default=600.0, help="chaos: soak length at --n-star sessions (0: none)")
     p.add_argument(
-        "--slow-reader-s", type=float, default=120.0, help="chaos: longest wait for a non-reading client's close"
+        "--slow-reader-s", type=float, default=300.0, help="chaos: longest wait for a non-reading client's close"
     )
     p.set_defaults(func=_cmd_bench)
 

@@ -270,6 +270,26 @@ async def fuzz(url: str, sequences: Sequence[Sequence[str | bytes]], *, concurre
     return result
 
 
+def plot_soak(result: dict[str, Any], path: Path) -> None:
+    """The server's RSS over the soak, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [x["t_s"] for x in result["soak_rss_mb"]]
+    ys = [x["rss_mb"] for x in result["soak_rss_mb"]]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.plot(xs, ys, marker=".", lw=1)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("server RSS (MiB)")
+    ax.set_title(f"soak: {result['soak_sessions']} conversation(s), {result['soak_s']:.0f} s")
+    ax.set_ylim(min(ys) - 100, max(ys) + 100)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def rss_mb(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -380,6 +400,8 @@ def main(args: argparse.Namespace) -> int:
             log.info("slow reader: %s", slow)
             out.update(slow_reader_max_buffer_bytes=slow["max_buffer_bytes"], slow_reader=slow)
     out["wall_s"] = round(time.monotonic() - t0, 1)
+    if out.get("soak_rss_mb"):
+        plot_soak(out, args.out.with_name(args.out.stem + "-soak.png"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: out.get(k) for k in (*SUMMARY_KEYS, "wall_s")}))
