@@ -70,6 +70,7 @@ async def test_a_drafted_reply_is_the_reply_without_drafts(make_server, clip_by_
 
     plain = await converse_pcm((await make_server(OFF)).url, audio, sc.RATE, max_s=60, until=reply_done)
     assert only(plain, "reply.speculation") == {
+        "n": only(plain, "reply.speculation")["n"],  # (its number in the session's events)
         "type": "reply.speculation",
         "reply": 1,
         "drafts": 0,

@@ -52,6 +52,7 @@ async def handshake(url: str, **kwargs: object) -> int:
 
 async def test_a_key_is_required_everywhere_but_the_probes(make_server, caplog) -> None:
     caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="websockets.server")  # (`duplexd serve` keeps it at WARNING)
     srv = await make_server(secured(api_key=KEY))
     assert await handshake(srv.url) == 401
     assert await handshake(srv.url, additional_headers={"Authorization": "Bearer wrong"}) == 401

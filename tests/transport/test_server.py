@@ -70,7 +70,7 @@ async def test_fatal_errors_close_with_typed_error(make_server, first, code: str
         await ws.send(first)
         got, events = await _expect_close(ws)
     assert got == close
-    assert events == [{"type": "error", "code": code, "message": events[0]["message"]}]
+    assert events == [{"type": "error", "code": code, "message": events[0]["message"], "n": 1}]
 
 
 async def test_oversized_message_closes_1009(make_server) -> None:
