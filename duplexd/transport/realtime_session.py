@@ -256,9 +256,7 @@ class RealtimeConnection(_Connection):
 
     def _apply_turn_detection(self, conv: cv.Conversation, td: rt.TurnDetection | None) -> None:
         conv.auto_turns = td is not None
-        conv.auto_respond = td is None or td.create_response  # (a commit answers when the client asks)
-        if td is None:
-            conv.auto_respond = False
+        conv.auto_respond = td is not None and td.create_response  # (a commit waits for response.create)
         if td is not None and td.silence_duration_ms is not None:
             turn = dataclasses.replace(
                 self.server.config.turn, min_silence_ms=td.silence_duration_ms, max_silence_ms=td.silence_duration_ms

@@ -49,7 +49,7 @@ from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, DatagramEndpoint, new_
 from duplexd.transport.limits import AudioRateLimit, authorized, origin_allowed
 from duplexd.transport.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from duplexd.transport.metrics import Metrics
-from duplexd.transport.packetizer import Ack, Eloquent, SenderConfig
+from duplexd.transport.packetizer import Ack, Eloquent, Packet, SenderConfig
 from duplexd.transport.protocol import Limits, ServerType
 from duplexd.transport.resume import SentAudio, new_resume_token, same_token
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE, TtsEngine
@@ -491,8 +491,6 @@ def _response(status: http.HTTPStatus, content_type: str, body: bytes) -> Respon
 
 
 class _Connection:
-    numbered = True  # native events carry `n` and are kept for a resume (Realtime has no resume)
-
     """A session's handle and its current WebSocket: a reader that feeds the session cores, a sender that
     drains a bounded queue, (in a conversation) a pacer that sends reply audio as the client plays it, and
     (with the datagram path) a timer that repeats unacknowledged tokens.
@@ -500,6 +498,8 @@ class _Connection:
     The handle outlives a connection that drops: it waits `resume_grace_s` for `session.resume` on a new
     WebSocket (`run(resume=...)`), keeping the reply tokens the client has not acknowledged and the reply
     audio it may not have received; everything else it would have sent waits in the bounded queue."""
+
+    numbered = True  # native events carry `n` and are kept for a resume (Realtime has no resume)
 
     def __init__(self, server: Server, ws: ServerConnection) -> None:
         self.server = server
@@ -614,25 +614,14 @@ class _Connection:
         not received, then what was queued for it meanwhile."""
         session = self.session
         if session is None or self._lost_while_detached:
-            await self.ws.send(
-                protocol.dumps(protocol.error_message(ErrorCode.RESUME_REFUSED, "the session has ended"))
-            )
-            await self.ws.close(CLOSE_POLICY, ErrorCode.RESUME_REFUSED.value)
-            return
+            return await self._refuse_resume("the session has ended")
         now = time.monotonic()
         audio = round(msg.audio_ms * OUTPUT_SAMPLE_RATE / 1000)
         if msg.token_seq > self.tokens.last_seq or audio > self.sent_audio.end + 1:
-            await self.ws.send(
-                protocol.dumps(
-                    protocol.error_message(
-                        ErrorCode.RESUME_REFUSED,
-                        f"resume position (token {msg.token_seq}, {msg.audio_ms:.0f} ms) is past what was sent "
-                        f"(token {self.tokens.last_seq}, {1000 * self.sent_audio.end / OUTPUT_SAMPLE_RATE:.0f} ms)",
-                    )
-                )
+            return await self._refuse_resume(
+                f"resume position (token {msg.token_seq}, {msg.audio_ms:.0f} ms) is past what was sent "
+                f"(token {self.tokens.last_seq}, {1000 * self.sent_audio.end / OUTPUT_SAMPLE_RATE:.0f} ms)"
             )
-            await self.ws.close(CLOSE_POLICY, ErrorCode.RESUME_REFUSED.value)
-            return
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
@@ -688,6 +677,10 @@ class _Connection:
             msg.audio_ms,
             extra={"event": "session.resumed", "session": session.id, "tokens_resent": len(unacked)},
         )
+
+    async def _refuse_resume(self, message: str) -> None:
+        await self.ws.send(protocol.dumps(protocol.error_message(ErrorCode.RESUME_REFUSED, message)))
+        await self.ws.close(CLOSE_POLICY, ErrorCode.RESUME_REFUSED.value)
 
     def release(self) -> None:
         if self._expiry is not None:
@@ -816,10 +809,11 @@ class _Connection:
         """A reply token: kept until acknowledged; over the WebSocket once (reliable and ordered: redundancy
         would add bytes, not robustness; a resume sends every unacknowledged one), over the datagram path
         as an Eloquent packet (all unacknowledged tokens)."""
-        now = time.monotonic()
-        packets = self.tokens.push(reply, [text], now) if self.dgram_tag is not None else []
+        packets: list[Packet] = []
         if self.dgram_tag is None:
             self.tokens.add(reply, [text])
+        else:
+            packets = self.tokens.push(reply, [text], time.monotonic())
         if self.attached:
             self.send({"type": ServerType.REPLY_DELTA, "reply": reply, "text": text, "token_seq": self.tokens.last_seq})
         datagram = self.server.datagram
