@@ -109,6 +109,10 @@ class TransportConfig:
     max_frame_ms: int = 200
     ack_interval_ms: int = 100
     outbound_queue: int = 256
+    # The kernel's send buffer for each client (SO_SNDBUF; 0: the OS's autotuning, up to 4 MiB per socket on
+    # Linux). 64 KiB holds > 0.6 s of reply audio beyond the 1 s lead: a reading client never waits on it,
+    # one that stops reading backs up into the bounded queue above within seconds, not megabytes.
+    send_buffer_bytes: int = 64 * 1024
     max_errors: int = 20
     max_sessions: int = 64
     audio_frame_ms: int = 40  # reply audio out: PCM16 24 kHz frames of this length
@@ -141,6 +145,12 @@ class TransportConfig:
         _require(self.max_frame_ms >= 10, "transport.max_frame_ms", self.max_frame_ms, ">= 10")
         _require(self.ack_interval_ms >= 10, "transport.ack_interval_ms", self.ack_interval_ms, ">= 10")
         _require(self.outbound_queue >= 8, "transport.outbound_queue", self.outbound_queue, ">= 8")
+        _require(
+            self.send_buffer_bytes == 0 or self.send_buffer_bytes >= 4096,
+            "transport.send_buffer_bytes",
+            self.send_buffer_bytes,
+            "0 or >= 4096",
+        )
         _require(self.max_errors >= 1, "transport.max_errors", self.max_errors, ">= 1")
         _require(self.max_sessions >= 1, "transport.max_sessions", self.max_sessions, ">= 1")
 

@@ -15,6 +15,7 @@ import http
 import json
 import logging
 import math
+import socket
 import ssl
 import time
 import uuid
@@ -414,6 +415,10 @@ class Server:
 
     async def _handle(self, ws: ServerConnection) -> None:
         ip = _peer_ip(ws)
+        if size := self.config.transport.send_buffer_bytes:
+            sock = ws.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
         self.per_ip[ip] += 1
         try:
             await self._serve_connection(ws)
