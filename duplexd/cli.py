@@ -122,6 +122,12 @@ def _first(group: BaseExceptionGroup) -> BaseException:
     return exc
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from duplexd import cluster
+
+    return cluster.main(args)
+
+
 def _cmd_stream(args: argparse.Namespace) -> int:
     from duplexd.clients.stream import Received, stream_file
 
@@ -261,6 +267,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="transcription only: load no LLM or TTS",
     )
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("cluster", help="several `serve` processes behind HAProxy on this machine (to try scale-out)")
+    p.add_argument("--workers", type=int, default=2, help="duplexd serve processes (default 2)")
+    p.add_argument("--host", default="127.0.0.1", help="address of the balancer and the workers")
+    p.add_argument("--port", type=int, default=8000, help="the balancer's port (default 8000)")
+    p.add_argument("--base-port", type=int, default=8100, help="workers listen on base+1, base+2, ... (default 8100)")
+    p.add_argument("--stats-port", type=int, default=8404, help="HAProxy's statistics page (default 8404)")
+    p.add_argument("--check-ms", type=int, default=500, help="how often HAProxy checks each /readyz")
+    p.add_argument("--config", type=Path, default=None, help="TOML config file for every worker")
+    p.add_argument(
+        "--no-dialog", dest="dialog", action="store_const", const=False, default=None, help="transcription only"
+    )
+    p.add_argument("--print-config", action="store_true", help="print the HAProxy configuration and exit")
+    p.set_defaults(func=_cmd_cluster)
 
     p = sub.add_parser("stream", help="stream an audio file to a server and print transcripts")
     p.add_argument("file", type=Path)

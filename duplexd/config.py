@@ -103,6 +103,10 @@ class TransportConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    node: str = ""
+    """This process's name behind a balancer (`duplexd cluster` sets w1, w2, ...): `session.started.node`;
+    a client resuming through the balancer reconnects with `?node=` so it reaches the process that owns its
+    session. Empty: a server on its own."""
     max_message_bytes: int = 64 * 1024
     min_sample_rate: int = 8000
     max_sample_rate: int = 48000
@@ -135,6 +139,12 @@ class TransportConfig:
         _require(10 <= self.audio_frame_ms <= 200, "transport.audio_frame_ms", self.audio_frame_ms, "in [10, 200]")
         _require(self.audio_lead_ms >= 100, "transport.audio_lead_ms", self.audio_lead_ms, ">= 100")
         _require(0 <= self.port <= 65535, "transport.port", self.port, "a TCP port")
+        _require(
+            len(self.node) <= 32 and all(c.isascii() and (c.isalnum() or c in "-_") for c in self.node),
+            "transport.node",
+            self.node,
+            "at most 32 letters, digits, '-' or '_'",
+        )
         _require(self.max_message_bytes >= 1024, "transport.max_message_bytes", self.max_message_bytes, ">= 1024")
         _require(
             0 < self.min_sample_rate <= self.max_sample_rate,
@@ -326,6 +336,9 @@ class SecurityConfig:
     browsers, `?api_key=KEY` in the URL). Never logged."""
     allowed_origins: str = ""  # comma-separated `Origin`s browsers may connect from ("": any)
     max_connections_per_ip: int = 32
+    trusted_proxies: str = ""
+    """Comma-separated addresses of balancers (HAProxy with `option forwardfor`) whose `X-Forwarded-For`
+    names the client: the per-address limit then counts clients, not the balancer. "": believe no one."""
     idle_timeout_s: float = 120.0  # a connection that sends nothing this long is closed (0: never)
     audio_burst_s: float = 10.0  # input audio may run this far ahead of real time (0: no limit)
     tls_cert: str = ""  # PEM files: with both set the server speaks https/wss only
@@ -345,6 +358,10 @@ class SecurityConfig:
     @property
     def origins(self) -> frozenset[str]:
         return frozenset(o.strip().rstrip("/") for o in self.allowed_origins.split(",") if o.strip())
+
+    @property
+    def proxies(self) -> frozenset[str]:
+        return frozenset(a.strip() for a in self.trusted_proxies.split(",") if a.strip())
 
 
 @dataclass(frozen=True, slots=True)

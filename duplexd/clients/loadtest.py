@@ -19,6 +19,7 @@ import asyncio
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ class UserResult:
     refusals: int = 0
     admitted_after_s: float = 0.0  # from the user's start to its admission (0 unless refused first)
     error: str | None = None
+    node: str | None = None  # the process that served it behind a balancer (`session.started.node`)
     frames: int = 0
     lags_ms: list[float] = field(default_factory=list)
     word_latency_s: list[float] = field(default_factory=list)
@@ -81,6 +83,7 @@ def program(
 
 def measure(user: int, result: ConversationResult, eos_s: list[float]) -> UserResult:
     out = UserResult(user, admitted=True, turns_spoken=len(eos_s))
+    out.node = result.events[0].event.get("node") if result.events else None
     acks = result.of_type("frame.ack")
     out.frames = len(acks)
     out.lags_ms = [a.event["lag_ms"] for a in acks]
@@ -183,6 +186,8 @@ def summarize(users: list[UserResult], *, offered: int, duration_s: float) -> di
         "sessions_admitted": len(admitted),
         "refused": sum(1 for u in users if not u.admitted and u.error is None),
         "refusals": sum(u.refusals for u in users),
+        # Sessions per process behind a balancer (`session.started.node`; {} for a server on its own).
+        "nodes": dict(sorted(Counter(u.node for u in admitted if u.node).items())),
         "failed": sum(1 for u in users if u.error is not None),
         "collapsed": sum(1 for u in admitted if u.collapsed),
         "duration_s": duration_s,
@@ -325,7 +330,10 @@ def table(result: dict[str, Any]) -> str:
         "token_stall_ratio",
         "underrun_s",
     )
-    return "\n".join(f"{k:>26}: {result[k]}" for k in keys)
+    lines = [f"{k:>26}: {result[k]}" for k in keys]
+    if result.get("nodes"):
+        lines.append(f"{'sessions per process':>26}: {result['nodes']}")
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:

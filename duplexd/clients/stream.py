@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import numpy as np
 import soundfile as sf
@@ -60,6 +61,15 @@ class SessionRefused(RuntimeError):
         self.reply = reply
 
 
+def resume_url(url: str, started: dict[str, Any]) -> str:
+    """`url` with `?node=` when the session lives on a named process behind a balancer (`session.started
+    .node`): the balancer routes the resume there."""
+    node = started.get("node")
+    if not node:
+        return url
+    return f"{url}{'&' if '?' in url else '?'}{urlencode({'node': node})}"
+
+
 class StreamClient:
     def __init__(self, ws: ClientConnection) -> None:
         self.ws = ws
@@ -93,7 +103,7 @@ class StreamClient:
         server resends the reply tokens after `token_seq` and the reply audio after `audio_ms`.
         `seq` is the last audio frame number sent before the drop; with `event_seq` (the last event `n`
         received) the server also replays every event after it. Returns the client and `session.resumed`."""
-        client = cls(await connect(url, max_size=2**22, open_timeout=30))
+        client = cls(await connect(resume_url(url, started), max_size=2**22, open_timeout=30))
         client.seq = seq
         await client.ws.send(
             json.dumps(

@@ -241,7 +241,7 @@ class Server:
         if path in (STREAM_PATH, REALTIME_PATH):
             if not origin_allowed(sec.origins, request.headers.get("Origin")):
                 return _json_error(http.HTTPStatus.FORBIDDEN, "forbidden_origin", "this origin may not connect")
-            ip = _peer_ip(connection)
+            ip = _peer_ip(connection, sec.proxies)
             if self.per_ip[ip] >= sec.max_connections_per_ip:
                 return _json_error(
                     http.HTTPStatus.TOO_MANY_REQUESTS, "too_many_connections", "too many connections from this address"
@@ -376,6 +376,7 @@ class Server:
         return {
             "status": "ok",
             "version": __version__,
+            "node": self.config.transport.node or None,
             "uptime_s": round(time.monotonic() - self._started, 1),
             "sessions": len(self.sessions),
             "models": self.models(),
@@ -414,7 +415,7 @@ class Server:
     # -- WebSocket ----------------------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        ip = _peer_ip(ws)
+        ip = _peer_ip(ws, self.config.security.proxies)
         if size := self.config.transport.send_buffer_bytes:
             sock = ws.transport.get_extra_info("socket")
             if sock is not None:
@@ -478,9 +479,16 @@ def _static_file(path: str) -> tuple[str, bytes] | None:
     return (content_type, file.read_bytes()) if file.is_file() else None
 
 
-def _peer_ip(connection: ServerConnection) -> str:
+def _peer_ip(connection: ServerConnection, proxies: frozenset[str] = frozenset()) -> str:
+    """The client's address: the peer's, or, when the peer is a trusted balancer, the last address its
+    `X-Forwarded-For` names (the one it saw; earlier entries are the client's word)."""
     address = connection.remote_address
-    return str(address[0]) if address else "?"
+    peer = str(address[0]) if address else "?"
+    if peer in proxies and connection.request is not None:
+        forwarded = connection.request.headers.get("X-Forwarded-For", "")
+        if last := forwarded.rsplit(",", 1)[-1].strip():
+            return last
+    return peer
 
 
 def _json_error(status: http.HTTPStatus, code: str, message: str, *, auth: bool = False) -> Response:
@@ -779,6 +787,7 @@ class _Connection:
         return {
             "type": ServerType.SESSION_STARTED,
             "session_id": self.session.id if self.session else None,
+            "node": t.node or None,
             "version": protocol.PROTOCOL_VERSION,
             "sample_rate": msg.sample_rate,
             "dialog": dialog,

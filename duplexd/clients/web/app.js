@@ -88,10 +88,15 @@ function micErrorText(e) {
   }
 }
 
-function streamUrl() {
+// `node`: the process that owns the session behind a balancer (session.started.node), for a resume.
+function streamUrl(node) {
+  const query = new URLSearchParams();
   const token = new URLSearchParams(location.search).get("token");
+  if (token) query.set("token", token);
+  if (node) query.set("node", node);
   const scheme = location.protocol === "https:" ? "wss" : "ws";
-  return `${scheme}://${location.host}/v1/stream${token ? "?token=" + encodeURIComponent(token) : ""}`;
+  const q = query.toString();
+  return `${scheme}://${location.host}/v1/stream${q ? "?" + q : ""}`;
 }
 
 async function start() {
@@ -160,6 +165,7 @@ async function start() {
     lastPlaybackMs: 0,
     endTimer: null,
     resume: null, // session.started.resume {token, grace_s}
+    node: null, // session.started.node: the process to reconnect to behind a balancer
     tokenSeq: 0, // last reply token rendered (acked)
     eventSeq: 0, // last event `n` handled: a resume replays those after it, and repeats are skipped
     audioReceived: 0, // output-stream samples received
@@ -211,7 +217,7 @@ function reconnect(s) {
   setStatus("The connection dropped; reconnecting…");
   setTimeout(() => {
     if (s.ending) return;
-    attach(s, new WebSocket(streamUrl()), () =>
+    attach(s, new WebSocket(streamUrl(s.node)), () =>
       s.ws.send(
         JSON.stringify({
           type: "session.resume",
@@ -408,6 +414,7 @@ function onEvent(s, ev) {
 function onStarted(s, ev) {
   s.started = true;
   s.resume = ev.resume ?? null;
+  s.node = ev.node ?? null;
   pub.sessionId = ev.session_id;
   pub.dialog = ev.dialog ?? false;
   s.outputRate = ev.output?.sample_rate ?? 24000;
