@@ -180,6 +180,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from duplexd.bench import chaos as bench_chaos
 
         return bench_chaos.main(args)
+    if args.what == "cluster":
+        from duplexd.bench import cluster as bench_cluster
+
+        return bench_cluster.main(args)
     if args.what == "transport":
         from duplexd.bench import transport as bench_transport
 
@@ -291,7 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
     p.add_argument(
-        "what", choices=["asr", "llm", "voice", "speculation", "capacity", "overload", "collapse", "transport", "chaos"]
+        "what",
+        choices=[
+            "asr",
+            "llm",
+            "voice",
+            "speculation",
+            "capacity",
+            "overload",
+            "collapse",
+            "transport",
+            "chaos",
+            "cluster",
+        ],
     )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
@@ -302,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--duration", type=float, default=45.0, help="capacity/overload: seconds per load test")
-    p.add_argument("--max-sessions", type=int, default=8, help="capacity: the largest N tried")
+    p.add_argument("--max-sessions", type=int, default=8, help="capacity, cluster: the largest N tried")
+    p.add_argument("--workers", default="1,2,3", help="cluster: worker counts behind the balancer (default 1,2,3)")
+    p.add_argument("--latency-s", type=float, default=30.0, help="cluster: seconds of the balancer-latency run")
     p.add_argument("--continuous", action="store_true", help="capacity: users talk all the time")
     p.add_argument("--n-star", type=int, default=2, help="overload: the N* measured by `bench capacity`")
     p.add_argument(

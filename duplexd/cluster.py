@@ -215,7 +215,10 @@ class Cluster:
             log = open(self.log_path(w.node), "wb")
             self._logs.append(log)
             cmd = [sys.executable, "-m", "duplexd", "serve", "--host", w.host, "--port", str(w.port), *self.serve_args]
-            self.procs[w.node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # Own process groups: a Ctrl-C in the terminal reaches only `duplexd cluster`, which drains them.
+            self.procs[w.node] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         deadline = time.monotonic() + self.timeout_s
         for w in self.workers:
             self._wait(lambda w=w: http_json(f"http://{w.host}:{w.port}/healthz"), deadline, w.node)
@@ -226,7 +229,7 @@ class Cluster:
         log = open(self.run_dir / "haproxy.log", "wb")
         self._logs.append(log)
         self.balancer = subprocess.Popen(
-            [haproxy, "-db", "-f", str(self.config_path)], stdout=log, stderr=subprocess.STDOUT
+            [haproxy, "-db", "-f", str(self.config_path)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self._wait(lambda: http_json(f"{self.http}/healthz"), deadline, "haproxy")
         if self.stats_port is not None:

@@ -140,10 +140,10 @@ class TransportConfig:
         _require(self.audio_lead_ms >= 100, "transport.audio_lead_ms", self.audio_lead_ms, ">= 100")
         _require(0 <= self.port <= 65535, "transport.port", self.port, "a TCP port")
         _require(
-            len(self.node) <= 32 and all(c.isascii() and (c.isalnum() or c in "-_") for c in self.node),
+            len(self.node) <= 63 and all(c.isascii() and (c.isalnum() or c in "-_") for c in self.node),
             "transport.node",
             self.node,
-            "at most 32 letters, digits, '-' or '_'",
+            "at most 63 letters, digits, '-' or '_'",
         )
         _require(self.max_message_bytes >= 1024, "transport.max_message_bytes", self.max_message_bytes, ">= 1024")
         _require(

@@ -93,6 +93,21 @@ async def test_connections_per_address_are_limited(make_server) -> None:
     assert await handshake(srv.url) == 101  # a place is free again
 
 
+async def test_behind_a_trusted_balancer_the_limit_counts_the_forwarded_clients(make_server) -> None:
+    def via(client: str) -> dict[str, object]:
+        return {"additional_headers": {"X-Forwarded-For": f"203.0.113.9, {client}"}}  # the last hop is what counts
+
+    srv = await make_server(secured(max_connections_per_ip=1, trusted_proxies="127.0.0.1"))
+    async with connect(srv.url, **via("198.51.100.1")):  # type: ignore[arg-type]
+        assert await handshake(srv.url, **via("198.51.100.2")) == 101  # another client behind the balancer
+        assert await handshake(srv.url, **via("198.51.100.1")) == 429  # the same client again
+    await asyncio.sleep(0.2)
+    untrusted = await make_server(secured(max_connections_per_ip=1))
+    async with connect(untrusted.url, **via("198.51.100.1")):  # type: ignore[arg-type]
+        # Not a trusted proxy: its header is anyone's word, and the peer address counts.
+        assert await handshake(untrusted.url, **via("198.51.100.2")) == 429
+
+
 async def test_audio_faster_than_real_time_beyond_the_burst_gets_an_error_not_a_backlog(make_server) -> None:
     srv = await make_server(secured(audio_burst_s=1.0))
     async with connect(srv.url) as ws:
