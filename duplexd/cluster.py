@@ -37,6 +37,14 @@ from pathlib import Path
 from typing import IO, Any
 
 DEFAULT_CHECK_MS = 500
+SCRAPED = (
+    "duplexd_sessions_admitted_total",
+    "duplexd_sessions_refused_total",
+    "duplexd_sessions_active",
+    "duplexd_frame_deadline_misses_total",
+    "duplexd_frame_lag_seconds_count",
+    "duplexd_frame_lag_seconds_sum",
+)
 
 
 class ClusterError(RuntimeError):
@@ -109,6 +117,20 @@ backend workers
 def http_json(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return json.loads(r.read())
+
+
+def scrape_metrics(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The unlabelled samples named `names` in the Prometheus text at `url`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in names and not sample.labels
+    }
 
 
 def _free_port(host: str) -> int:
@@ -312,6 +334,11 @@ class Cluster:
     def node_health(self, node: str) -> dict[str, Any]:
         """One worker's /healthz, through the balancer (`?node=`)."""
         return http_json(f"{self.http}/healthz?node={node}")
+
+    def scrape(self, names: tuple[str, ...] = SCRAPED) -> dict[str, dict[str, float]]:
+        """Every worker's /metrics through the balancer (`?node=`), as {node: {sample name: value}} for the
+        unlabelled samples in `names` (what a Prometheus scraping each process sees, side by side)."""
+        return {w.node: scrape_metrics(f"{self.http}/metrics?node={w.node}", names) for w in self.workers}
 
 
 def main(args: argparse.Namespace) -> int:

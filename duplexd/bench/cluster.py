@@ -92,6 +92,7 @@ def n_star(workers: int, args: argparse.Namespace, clips: list) -> dict[str, Any
         print(f"{workers} worker(s), N = {n}", flush=True)
         with Cluster(workers, serve_args=serve_args, env={"DUPLEXD_ADMISSION__ENABLED": "false"}) as cluster:
             r = _summary(asyncio.run(loadtest.run(cluster.url, n, args.duration, clips, ramp=False)))
+            r["scraped"] = cluster.scrape()  # each worker's own counters, side by side
         r["failed"] = meets(r, continuous=False)
         rows.append(r)
         print(f"  {'ok' if not r['failed'] else 'fails ' + ', '.join(r['failed'])}; per worker {r['nodes']}")

@@ -81,6 +81,14 @@ async def test_sessions_spread_and_a_full_worker_gets_none(cluster: Cluster) -> 
         clients.append(c)
         started.append(s)
     assert sorted(s["node"] for s in started) == ["w1", "w2", "w3"]  # least connections first
+    # Each process's own /metrics, scraped through the balancer: one session admitted by each.
+    metrics = cluster.scrape()
+    assert {node: m["duplexd_sessions_admitted_total"] for node, m in metrics.items()} == {
+        "w1": 1.0,
+        "w2": 1.0,
+        "w3": 1.0,
+    }
+    assert all(m["duplexd_sessions_active"] == 1.0 for m in metrics.values())
     await close_all(clients)
 
     # Fill w1 behind the balancer's back: its /readyz turns 503 and HAProxy takes it out of rotation.
