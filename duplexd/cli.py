@@ -115,6 +115,55 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve_llm(args: argparse.Namespace) -> int:
+    from duplexd.dialog.engine import DialogEngine, EngineConfig
+    from duplexd.errors import EngineError
+    from duplexd.llm_server import serve_llm
+
+    overrides = {"dialog": {"model": args.model, "max_sessions": args.max_sessions}}
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except (OSError, ValueError) as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    engine_config = EngineConfig.from_config(config.dialog)
+    if args.max_tokens is not None:
+        engine_config = dataclasses.replace(engine_config, max_reply_tokens=args.max_tokens)
+    try:
+        engine = DialogEngine.load(engine_config)
+    except (EngineError, ValueError) as exc:
+        log.error("could not load the dialog model: %s", exc)
+        return 1
+    api_key = args.api_key if args.api_key is not None else os.environ.get(_LLM_KEY_ENV, "")
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+
+        def ready(port: int) -> None:
+            log.info("duplexd serve-llm: model %s on http://%s:%d/v1", config.dialog.model, args.host, port)
+            print(f"duplexd serve-llm ready: http://{args.host}:{port}/v1", flush=True)
+
+        await serve_llm(
+            engine, model=config.dialog.model, host=args.host, port=args.port, api_key=api_key, stop=stop, ready=ready
+        )
+
+    try:
+        asyncio.run(run())
+    except ExceptionGroup as group:
+        if group.subgroup(OSError) is None:
+            raise
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, _first(group))
+        return 1
+    log.info("stopped")
+    return 0
+
+
+_LLM_KEY_ENV = "DUPLEXD_LLM_API_KEY"
+
+
 def _first(group: BaseExceptionGroup) -> BaseException:
     exc: BaseException = group
     while isinstance(exc, BaseExceptionGroup):
@@ -285,6 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--print-config", action="store_true", help="print the HAProxy configuration and exit")
     p.set_defaults(func=_cmd_cluster)
+
+    p = sub.add_parser("serve-llm", help="the dialog LLM alone, behind an OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8001, help="port (default 8001; 0 picks a free one)")
+    p.add_argument("--config", type=Path, default=None, help="TOML config file (its [dialog] section)")
+    p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file, or a local HF model folder")
+    p.add_argument("--max-sessions", type=int, default=None, help="requests decoded at once (default [dialog])")
+    p.add_argument("--max-tokens", type=int, default=None, help="longest reply (default [dialog] max_reply_tokens)")
+    p.add_argument("--api-key", default=None, help=f"require this bearer key (default ${_LLM_KEY_ENV}; empty: no key)")
+    p.set_defaults(func=_cmd_serve_llm)
 
     p = sub.add_parser("stream", help="stream an audio file to a server and print transcripts")
     p.add_argument("file", type=Path)

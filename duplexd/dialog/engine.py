@@ -405,6 +405,19 @@ class DialogEngine:
         session.reply_start = session.window.n + len(session.pending)
         session.p_end_of_turn = None
 
+    def append_assistant_text(self, sid: int, text: str) -> None:
+        """A whole earlier assistant turn, for a conversation replayed from its transcript (an OpenAI-style
+        `messages` list, `duplexd serve-llm`): the tokens a reply of `text` leaves in the context when it
+        finishes (or is cut there by `interrupt`): the user turn closed as by `start_reply`, the text, its
+        end marker. Raises `EngineError` while the session replies (its reply would come first)."""
+        session = self._get(sid)
+        if session.replying:
+            raise EngineError(f"dialog session {sid} is replying: an assistant turn cannot be appended now")
+        self.start_reply(sid)
+        session.replying = False
+        _queue(session, self.tokenizer.encode(text))
+        _queue(session, self.tokenizer.encode(self.format.reply_close))
+
     def interrupt(self, sid: int, heard_tokens: int) -> None:
         """Stop the reply; keep only its first `heard_tokens` tokens in the conversation.
 
