@@ -30,10 +30,16 @@ def load_engines(config: ServerConfig):
     asr = FasterWhisperEngine(config.asr)
     dialog = tts = None
     if config.dialog.enabled:
-        from duplexd.dialog.engine import DialogEngine, EngineConfig
         from duplexd.tts.engine import load_tts
 
-        dialog = DialogEngine.load(EngineConfig.from_config(config.dialog))
+        if config.dialog.backend == "remote":  # replies stream from an OpenAI-compatible server elsewhere
+            from duplexd.dialog.remote import RemoteDialogEngine
+
+            dialog = RemoteDialogEngine.from_config(config.dialog)
+        else:
+            from duplexd.dialog.engine import DialogEngine, EngineConfig
+
+            dialog = DialogEngine.load(EngineConfig.from_config(config.dialog))
         tts = load_tts(config.tts)
     log.info(
         "models loaded in %.1fs: VAD silero-vad (onnx), ASR %s (%s, beam %d), LLM %s, TTS %s",
@@ -41,7 +47,7 @@ def load_engines(config: ServerConfig):
         asr.name,
         config.asr.compute_type,
         config.asr.beam_size,
-        config.dialog.model if dialog else "off",
+        (config.dialog.model if config.dialog.backend == "local" else dialog.config.model) if dialog else "off",
         tts.name if tts else "off",
     )
     engines = Engines(vad, asr, dialog, tts)

@@ -186,8 +186,32 @@ class DialogConfig:
         "plain sentences without lists or markdown."
     )
     threads: int = 0
+    backend: str = "local"
+    """`local`: the in-process engine above. `remote`: replies stream from an OpenAI-compatible
+    `/v1/chat/completions` server (vLLM, llama.cpp, Ollama, `duplexd serve-llm`; see `dialog/remote.py`)."""
+    remote_url: str = ""
+    """The remote server's base URL, e.g. `http://gpu-host:8001/v1`."""
+    remote_model: str = ""
+    """The `model` sent to the remote server (empty: this section's `model`)."""
+    remote_api_key: str = field(default="", repr=False)
+    """Bearer key for the remote server (never logged)."""
+    remote_timeout_s: float = 30.0
+    """Longest wait to connect, or for the next piece of a streaming reply, before that reply fails."""
+    remote_history_chars: int = 4000
+    """Most characters of earlier turns sent with each remote request (the oldest turns go first): the
+    remote server owns its context window, so the history this side keeps must be bounded here."""
 
     def __post_init__(self) -> None:
+        _require(self.backend in ("local", "remote"), "dialog.backend", self.backend, "local or remote")
+        if self.backend == "remote":
+            _require(
+                self.remote_url.startswith(("http://", "https://")),
+                "dialog.remote_url",
+                self.remote_url,
+                "an http:// or https:// base URL (e.g. http://host:8001/v1)",
+            )
+        _require(self.remote_timeout_s > 0, "dialog.remote_timeout_s", self.remote_timeout_s, "> 0")
+        _require(self.remote_history_chars >= 0, "dialog.remote_history_chars", self.remote_history_chars, ">= 0")
         _require(self.dtype in ("float32", "bfloat16"), "dialog.dtype", self.dtype, "float32 or bfloat16")
         _require(self.sink_tokens >= 0, "dialog.sink_tokens", self.sink_tokens, ">= 0")
         _require(self.window_tokens >= 1, "dialog.window_tokens", self.window_tokens, ">= 1")

