@@ -21,9 +21,17 @@ import pytest
 from duplexd.bench.server import child_process, free_port
 from duplexd.dialog.engine import DialogEngine, EngineConfig
 from duplexd.errors import EngineError
-from duplexd.llm_server import LlmHttpServer, LlmService
+from duplexd.llm_server import (
+    ApiError,
+    ChatRequest,
+    HttpLimits,
+    LlmHttpServer,
+    LlmService,
+    parse_chat_request,
+    parse_head,
+)
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # (tests that load the model; the parsers' tests need none)
 
 MAX_TOKENS = 40
 KEY = "test-key-1234"
@@ -111,6 +119,7 @@ async def stream(client: openai.AsyncOpenAI, turns: list[tuple[str, str]], **kwa
 # --- the engine's replayed assistant turn (what serve-llm builds a request's context from) ---------------
 
 
+@slow
 def test_a_replayed_assistant_turn_is_the_context_its_reply_left(engine: DialogEngine) -> None:
     live = engine.open()
     engine.append_user_text(live, Q1)
@@ -149,6 +158,7 @@ def test_a_replayed_assistant_turn_is_the_context_its_reply_left(engine: DialogE
 # --- serve-llm over HTTP -----------------------------------------------------------------------------------
 
 
+@slow
 async def test_streamed_reply_is_the_in_process_reply_token_for_token(server: LlmServer, engine: DialogEngine) -> None:
     first = [("user", Q1)]
     expected = local_reply(engine, first)
@@ -171,6 +181,7 @@ async def test_streamed_reply_is_the_in_process_reply_token_for_token(server: Ll
     engine.close(sid)
 
 
+@slow
 async def test_non_streaming_completion_and_usage(server: LlmServer, engine: DialogEngine) -> None:
     expected = local_reply(engine, [("user", Q3)])
     async with server.client() as client:
@@ -202,6 +213,7 @@ async def test_non_streaming_completion_and_usage(server: LlmServer, engine: Dia
     assert [m.id for m in models.data] == ["smollm2"]
 
 
+@slow
 async def test_concurrent_requests_are_decoded_together_and_both_complete(
     server: LlmServer, engine: DialogEngine
 ) -> None:
@@ -212,6 +224,7 @@ async def test_concurrent_requests_are_decoded_together_and_both_complete(
     assert got_b == increments(engine, local_reply(engine, b))
 
 
+@slow
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
@@ -236,6 +249,7 @@ async def test_unsupported_requests_get_an_openai_shaped_400(server: LlmServer, 
     assert error["message"]
 
 
+@slow
 async def test_unknown_model_and_wrong_key(server: LlmServer) -> None:
     async with server.client() as client:
         with pytest.raises(openai.NotFoundError):
@@ -255,6 +269,7 @@ async def raw(port: int, data: bytes) -> tuple[int, bytes]:
     return int(head.split(b" ")[1]), body
 
 
+@slow
 @pytest.mark.parametrize(
     ("request_bytes", "status"),
     [
@@ -280,6 +295,7 @@ async def test_malformed_http_gets_an_error_answer(server: LlmServer, request_by
     assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
+@slow
 async def test_a_client_that_goes_away_frees_its_session(engine: DialogEngine) -> None:
     """In process (to see the service's state): streams abandoned after their first chunk are cancelled and
     their sessions closed, so the next request is served instead of refused."""
@@ -310,3 +326,73 @@ async def test_a_client_that_goes_away_frees_its_session(engine: DialogEngine) -
         await asyncio.wait_for(task, 10)
         service.close()
     assert got == increments(engine, local_reply(engine, [("user", Q1)]))
+
+
+# --- the pure parts ---------------------------------------------------------------------------------------
+
+
+def test_parse_head() -> None:
+    limits = HttpLimits(max_body_bytes=100)
+    head = parse_head(b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nContent-Length:  7 \r\nA-B: c\r\n\r\n", limits)
+    assert (head.method, head.path, head.content_length, head.headers["a-b"]) == (
+        "POST",
+        "/v1/chat/completions",
+        7,
+        "c",
+    )
+    for data, status in [
+        (b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n", 413),
+        (b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\n", 400),
+        (b"GET / HTTP/2.0\r\n\r\n", 505),
+        (b"GET / HTTP/1.1\r\n folded\r\n\r\n", 400),
+        (b"GET /\xff HTTP/1.1\r\n\r\n", 400),
+        (b"GET x HTTP/1.1\r\n\r\n", 400),
+    ]:
+        with pytest.raises(ApiError) as caught:
+            parse_head(data, limits)
+        assert caught.value.status == status, data
+
+
+def test_parse_chat_request() -> None:
+    def parse(**req: object) -> ChatRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **req}
+        return parse_chat_request(json.dumps(body).encode(), model="m", max_tokens=50)
+
+    assert parse() == ChatRequest("m", None, (("user", "hi"),), stream=False, max_tokens=50)
+    req = parse(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "c"},
+        ],
+        stream=True,
+        stream_options={"include_usage": True},
+        max_tokens=80,
+        max_completion_tokens=7,
+        temperature=0,
+        top_p=0.5,
+        seed=3,
+        user="u",
+    )
+    assert req == ChatRequest("m", "be brief", (("user", "ab"), ("assistant", ""), ("user", "c")), True, 7, True)
+    assert parse(max_tokens=500).max_tokens == 50  # (the server's reply limit)
+    for bad, param in [
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}]}, "messages.[1]"),
+        ({"messages": [{"role": "tool", "content": "a"}]}, "messages.[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.[0].content"),
+    ]:
+        with pytest.raises(ApiError) as caught:
+            parse(**bad)
+        assert (caught.value.status, caught.value.param) == (400, param), bad
+    with pytest.raises(ApiError) as caught:
+        parse(model="other")
+    assert (caught.value.status, caught.value.code) == (404, "model_not_found")
+    with pytest.raises(ApiError) as caught:
+        parse_chat_request(b"[1]", model="m", max_tokens=5)
+    assert caught.value.status == 400

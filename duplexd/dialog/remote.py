@@ -550,8 +550,8 @@ def _messages(system: str, turns: Sequence[tuple[str, str]] | deque[tuple[str, s
 
 
 def _trim(history: deque[tuple[str, str]], max_chars: int) -> None:
-    """Drop the oldest (user, assistant) pairs while the earlier turns are over `max_chars`; the last user
-    turn (and the reply to it) always stay, and the transcript still starts with a user turn."""
+    """Drop the oldest turns, a user turn and the reply to it at a time, while the turns before the last two
+    are over `max_chars`. The latest user turn always stays, and the transcript still starts with one."""
     while len(history) > 2 and sum(len(t) for _, t in list(history)[:-2]) > max_chars:
         history.popleft()
         if history and history[0][0] == "assistant":

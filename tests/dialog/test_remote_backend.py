@@ -9,12 +9,15 @@ with an error and the conversation goes on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import socket
 import sys
 import time
 import urllib.request
+from collections import deque
 from collections.abc import Iterator
 
 import pytest
@@ -22,12 +25,12 @@ import pytest
 from duplexd.bench.server import child_process, free_port
 from duplexd.config import DialogConfig, SpeculationConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig
-from duplexd.dialog.remote import RemoteConfig, RemoteDialogEngine
+from duplexd.dialog.remote import PieceTokenizer, RemoteConfig, RemoteDialogEngine, _trim
 from duplexd.errors import EngineError
 from duplexd.scheduler.dialog import DialogWorker
 from duplexd.streaming.conversation import AppendUserText, InterruptReply, StartReply
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # (tests that load the model)
 
 MAX_TOKENS = 40
 SYSTEM = DialogConfig().system_prompt
@@ -122,6 +125,7 @@ async def converse(engine: DialogEngine | RemoteDialogEngine) -> tuple[list[str]
     return replies, client
 
 
+@slow
 async def test_remote_conversation_equals_the_in_process_one(local: DialogEngine, llm_url: str) -> None:
     expected, _ = await converse(local)
     assert all(expected) and len(expected[1]) < len(expected[0])
@@ -133,6 +137,7 @@ async def test_remote_conversation_equals_the_in_process_one(local: DialogEngine
     assert len(remote.tokenizer) == 0  # every piece forgotten with its session
 
 
+@slow
 async def test_the_transcript_keeps_only_the_heard_part(llm_url: str) -> None:
     engine = remote_engine(llm_url)
     sid = engine.open()
@@ -160,6 +165,7 @@ async def test_the_transcript_keeps_only_the_heard_part(llm_url: str) -> None:
     engine.close(sid)
 
 
+@slow
 async def test_an_adopted_draft_is_the_reply_and_a_dropped_one_is_cancelled(local: DialogEngine, llm_url: str) -> None:
     engine = remote_engine(llm_url)
     sid = engine.open()
@@ -224,3 +230,77 @@ async def test_an_unreachable_or_silent_server_ends_the_reply_with_an_error(
     errors = [r.getMessage() for r in caplog.records if "remote LLM reply failed" in r.getMessage()]
     assert len(errors) == 2, errors
     assert ("ConnectionRefusedError" if server == "refused" else "timed out") in errors[0]
+
+
+def test_config_and_bounds() -> None:
+    with pytest.raises(ValueError, match="dialog.remote_url"):
+        DialogConfig(backend="remote", remote_url="gpu-host:8001")
+    with pytest.raises(ValueError, match="dialog.backend"):
+        DialogConfig(backend="vllm")
+    config = DialogConfig(backend="remote", remote_url="http://u:p@gpu:8001/v1/", remote_api_key="secret")
+    remote = RemoteConfig.from_config(config)
+    assert "secret" not in repr(config) and "secret" not in repr(remote)
+    assert remote.endpoint == "http://gpu:8001/v1/chat/completions"  # (what logs show: no credentials)
+    assert remote.model == "smollm2"
+
+    history = deque(
+        [("user", "a" * 10), ("assistant", "b" * 10), ("user", "c" * 10), ("assistant", "d"), ("user", "e")]
+    )
+    _trim(history, 15)
+    assert list(history) == [("user", "c" * 10), ("assistant", "d"), ("user", "e")]
+    _trim(history, 0)
+    assert list(history) == [("user", "e")]
+
+    tok = PieceTokenizer()
+    ids = [tok.add(t) for t in ("Hel", "lo", " there")]
+    assert tok.decode(ids[:2]) == "Hello" and tok.decode(ids) == "Hello there"
+    tok.forget(ids)
+    assert len(tok) == 0
+
+
+@slow
+async def test_the_voice_server_replies_through_the_remote_backend(engines, llm_url: str) -> None:
+    """The whole server (real ASR, TTS, LLM worker) with `backend = "remote"` in place of the local engine:
+    a typed Realtime message gets the reply the local engine gives, and /healthz and /metrics still work."""
+    openai = pytest.importorskip("openai")
+    from duplexd.config import ServerConfig
+    from duplexd.transport.server import Server
+
+    config = ServerConfig()
+    config = dataclasses.replace(config, transport=dataclasses.replace(config.transport, port=0))
+    remote = RemoteDialogEngine(RemoteConfig.from_config(dataclasses.replace(config.dialog, remote_url=llm_url)))
+    replies, health = [], {}
+    for dialog in (engines.dialog, remote):
+        server = Server(config, dataclasses.replace(engines, dialog=dialog))
+        stop = asyncio.Event()
+        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(server.run(stop, ready=ready))
+        try:
+            port = await asyncio.wait_for(ready, 30)
+            client = openai.AsyncOpenAI(api_key="x", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
+            async with client.realtime.connect(model="duplexd") as conn:
+                await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+                await conn.conversation.item.create(
+                    item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": TURNS[0]}]}
+                )
+                await conn.response.create()
+                text = ""
+                async with asyncio.timeout(60):
+                    async for event in conn:
+                        if event.type == "response.output_text.delta":
+                            text += event.delta
+                        elif event.type == "response.done":
+                            assert event.response.status == "completed"
+                            break
+            replies.append(text)
+            for path in ("/healthz", "/metrics"):
+                with await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{port}{path}", None, 5) as r:
+                    health[path] = r.read().decode()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+    assert replies[0] and replies[1] == replies[0]
+    llm = json.loads(health["/healthz"])["llm"]  # (the engine's stats)
+    assert llm["requests"] >= 1 and llm["failed"] == 0
+    assert "kv_slots" in health["/metrics"]
+    assert remote.stats["requests"] >= 1 and remote.stats["failed"] == 0
