@@ -55,6 +55,7 @@ __all__ = ["PieceTokenizer", "RemoteConfig", "RemoteDialogEngine"]
 _MAX_LINE_BYTES = 64 * 1024  # one SSE line (one chunk's JSON)
 _MAX_ERROR_BYTES = 16 * 1024  # of an error response's body, read for its message
 _MAX_TURN_CHARS = 16 * 1024  # of the user's open turn (its most recent words)
+_MAX_MESSAGES = 256  # earlier turns kept, whatever their length
 _DEFAULTS = DialogConfig()
 
 
@@ -297,9 +298,9 @@ class RemoteDialogEngine:
         self._cond = threading.Condition()
         self._threads = 0  # request threads alive (cancelled ones included, until their socket closes)
         self.stats: dict[str, float] = {
-            "steps": 0,
-            "decode_tokens": 0,
-            "busy_s": 0.0,
+            "steps": 0,  # polls for pieces (up to 50 a second while a reply streams)
+            "decode_tokens": 0,  # pieces handed out
+            "busy_s": 0.0,  # time spent handing them out (not waiting)
             "requests": 0,
             "failed": 0,
             "cancelled": 0,
@@ -551,8 +552,9 @@ def _messages(system: str, turns: Sequence[tuple[str, str]] | deque[tuple[str, s
 
 def _trim(history: deque[tuple[str, str]], max_chars: int) -> None:
     """Drop the oldest turns, a user turn and the reply to it at a time, while the turns before the last two
-    are over `max_chars`. The latest user turn always stays, and the transcript still starts with one."""
-    while len(history) > 2 and sum(len(t) for _, t in list(history)[:-2]) > max_chars:
+    are over `max_chars` (or there are more than `_MAX_MESSAGES`: empty turns count too). The latest user
+    turn always stays, and the transcript still starts with one."""
+    while len(history) > 2 and (len(history) > _MAX_MESSAGES or sum(len(t) for _, t in list(history)[:-2]) > max_chars):
         history.popleft()
         if history and history[0][0] == "assistant":
             history.popleft()

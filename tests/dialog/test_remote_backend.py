@@ -304,3 +304,79 @@ async def test_the_voice_server_replies_through_the_remote_backend(engines, llm_
     assert llm["requests"] >= 1 and llm["failed"] == 0
     assert "kv_slots" in health["/metrics"]
     assert remote.stats["requests"] >= 1 and remote.stats["failed"] == 0
+
+
+async def _sse_server(handler) -> tuple[asyncio.Server, str]:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(
+            next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        )
+        body = json.loads(await reader.readexactly(length))
+        writer.write(handler(head, body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+
+
+def _chunked(*events: bytes) -> bytes:
+    """A 200 SSE response framed as vLLM's and llama.cpp's servers frame it (chunked transfer encoding)."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+
+def _delta(text: str | None, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
+    return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+
+
+async def _reply(engine: RemoteDialogEngine) -> str:
+    sid = engine.open()
+    engine.append_user_text(sid, "Hi")
+    engine.start_reply(sid)
+    while engine.replying(sid):
+        await asyncio.to_thread(engine.step)
+    text = engine.tokenizer.decode(engine.reply_tokens(sid))
+    engine.close(sid)
+    return text
+
+
+async def test_the_stream_format_of_other_servers(caplog: pytest.LogCaptureFixture) -> None:
+    """Chunked framing, comments, role-only and usage chunks; the request is greedy, streamed and carries
+    the key; HTTP errors and errors inside the stream end the reply with the server's message logged."""
+    seen: list[tuple[bytes, dict]] = []
+
+    def ok(head: bytes, body: dict) -> bytes:
+        seen.append((head, body))
+        usage = b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n'
+        return _chunked(
+            b": ping\n\n", _delta(""), _delta("Hel"), _delta("lo!"), _delta(None, "stop"), usage, b"data: [DONE]\n\n"
+        )
+
+    server, url = await _sse_server(ok)
+    async with server:
+        assert await _reply(remote_engine(url, api_key="k3y")) == "Hello!"
+    head, body = seen[0]
+    assert b"authorization: bearer k3y" in head.lower()
+    assert body["stream"] is True and body["temperature"] == 0 and body["max_tokens"] == MAX_TOKENS
+    assert body["messages"] == [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+
+    def refused(head: bytes, body: dict) -> bytes:
+        error = json.dumps({"error": {"message": "model 'smollm2' not found", "type": "invalid_request_error"}})
+        return b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n%s" % (len(error), error.encode())
+
+    def broken(head: bytes, body: dict) -> bytes:
+        return _chunked(_delta("Par"), b'data: {"error": {"message": "CUDA out of memory"}}\n\n')
+
+    for handler, message, text in [(refused, "model 'smollm2' not found", ""), (broken, "CUDA out of memory", "Par")]:
+        server, url = await _sse_server(handler)
+        caplog.clear()
+        async with server:
+            engine = remote_engine(url, api_key="k3y")
+            with caplog.at_level(logging.ERROR, logger="duplexd.dialog.remote"):
+                assert await _reply(engine) == text
+        assert engine.stats["failed"] == 1
+        (record,) = [r.getMessage() for r in caplog.records]
+        assert message in record and "k3y" not in record
