@@ -128,13 +128,15 @@ def _cmd_serve_llm(args: argparse.Namespace) -> int:
 
     overrides = {"dialog": {"model": args.model, "max_sessions": args.max_sessions}}
     try:
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be a TCP port, got {args.port}")
         config = load_config(args.config, overrides=overrides)
+        engine_config = EngineConfig.from_config(config.dialog)
+        if args.max_tokens is not None:
+            engine_config = dataclasses.replace(engine_config, max_reply_tokens=args.max_tokens)
     except (OSError, ValueError) as exc:
         log.error("bad configuration: %s", exc)
         return 2
-    engine_config = EngineConfig.from_config(config.dialog)
-    if args.max_tokens is not None:
-        engine_config = dataclasses.replace(engine_config, max_reply_tokens=args.max_tokens)
     try:
         engine = DialogEngine.load(engine_config)
     except (EngineError, ValueError) as exc:
