@@ -123,7 +123,8 @@ _TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABC
 
 
 def parse_head(data: bytes, limits: HttpLimits) -> RequestHead:
-    """The request line and headers (`data` ends with the blank line). Raises `ApiError` (400, 413, 501)."""
+    """The request line and headers (`data` ends with the blank line). Raises `ApiError` (400, 413, 417, 501,
+    505)."""
     try:
         text = data.decode("ascii")
     except UnicodeDecodeError:
@@ -147,6 +148,8 @@ def parse_head(data: bytes, limits: HttpLimits) -> RequestHead:
         if name in headers and name in ("content-length", "host", "authorization", "transfer-encoding"):
             raise _bad(f"repeated header {name!r}")
         headers[name] = value if name not in headers else f"{headers[name]}, {value}"
+    if headers.get("expect", "100-continue").lower() != "100-continue":
+        raise ApiError(417, f"unsupported expectation {headers['expect']!r}")
     if "transfer-encoding" in headers:
         raise ApiError(501, "request bodies must have a Content-Length (no Transfer-Encoding)", type="server_error")
     length = headers.get("content-length", "0")
@@ -544,6 +547,8 @@ class LlmHttpServer:
                 raise _bad("the connection closed inside the request head") from None
             return  # (a connection opened and closed: a port probe)
         head = parse_head(data, limits)
+        if head.headers.get("expect", "").lower() == "100-continue":  # (curl, for bodies over 1 KiB)
+            await self._write(writer, b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
             body = await asyncio.wait_for(reader.readexactly(head.content_length), limits.body_timeout_s)
         except TimeoutError:

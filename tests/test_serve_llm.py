@@ -348,6 +348,7 @@ def test_parse_head() -> None:
         (b"GET / HTTP/1.1\r\n folded\r\n\r\n", 400),
         (b"GET /\xff HTTP/1.1\r\n\r\n", 400),
         (b"GET x HTTP/1.1\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nExpect: magic\r\n\r\n", 417),
     ]:
         with pytest.raises(ApiError) as caught:
             parse_head(data, limits)
