@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
     )
     p.add_argument("--quick", action="store_true", help="fewer clips and shorter streams (a smoke run)")
+    p.add_argument(
+        "--remote-llm", action="store_true", help="speculation: replies from a `duplexd serve-llm` (backend remote)"
+    )
     p.add_argument("--streams", default="1,2,4", help="concurrency levels for the long streams (default 1,2,4)")
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
     p.add_argument("--config", type=Path, default=None)

@@ -22,7 +22,9 @@ import asyncio
 import contextlib
 import os
 import platform
+import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from duplexd.bench import scenarios as sc
 from duplexd.bench import write_result
 from duplexd.bench.data import Clip, load_clips
 from duplexd.bench.latency import percentile
-from duplexd.bench.server import health, server_process
+from duplexd.bench.server import child_process, free_port, health, server_process
 from duplexd.clients.converse import ConversationResult, converse_pcm
 
 QUESTION_MAX_S = 8.0
@@ -135,10 +137,28 @@ def _reduction(on: float | None, off: float | None) -> float | None:
     return None if on is None or not off else round(1 - on / off, 3)
 
 
-def run(data: Path | None, config: Path | None, quick: bool) -> dict[str, Any]:
+def _serve_llm(stack: contextlib.ExitStack) -> str:
+    """A `duplexd serve-llm` child (the same model, greedy) for the remote-backend run: its base URL."""
+    port = free_port()
+
+    def up() -> None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
+            pass
+
+    cmd = [sys.executable, "-m", "duplexd", "serve-llm", "--port", str(port)]
+    stack.enter_context(child_process(cmd, name="duplexd serve-llm", up=up))
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def run(data: Path | None, config: Path | None, quick: bool, remote: bool = False) -> dict[str, Any]:
+    """`remote`: every server's replies stream from one `duplexd serve-llm` (`[dialog] backend = "remote"`):
+    no P(end of turn), so drafts are early requests made at the pause."""
     clips = load_clips(data)
     with contextlib.ExitStack() as stack:
-        ports = {mode: stack.enter_context(server_process(config, settings=s)) for mode, s in MODES.items()}
+        extra = {"dialog.backend": "remote", "dialog.remote_url": _serve_llm(stack)} if remote else {}
+        ports = {
+            mode: stack.enter_context(server_process(config, settings={**s, **extra})) for mode, s in MODES.items()
+        }
         runs = asyncio.run(_conversations(ports, clips, quick))
         servers = {mode: health(port) for mode, port in ports.items()}
     by_mode = {mode: [r for r in runs if r.mode == mode] for mode in MODES}
@@ -157,10 +177,13 @@ def run(data: Path | None, config: Path | None, quick: bool) -> dict[str, Any]:
         "benchmark": "speculation",
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "dialog_backend": "remote (duplexd serve-llm)" if remote else "local",
         **{mode: _summary(rs) for mode, rs in by_mode.items()},
         "hit_rate": spec.get("hit_rate"),
         "wasted_draft_tokens": spec.get("wasted_tokens"),
-        "draft_compute_share": round(llm["draft_busy_s"] / llm["busy_s"], 3) if llm.get("busy_s") else None,
+        "draft_compute_share": (
+            round(llm["draft_busy_s"] / llm["busy_s"], 3) if llm.get("busy_s") and "draft_busy_s" in llm else None
+        ),
         "lossless": compared > 0 and matched == compared,
         "lossless_compared": compared,
         "lossless_mismatches": mismatches,
@@ -208,6 +231,6 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run(args.data, args.config, args.quick)
+    result = run(args.data, args.config, args.quick, remote=args.remote_llm)
     write_result(args.out, result, table(result))
     return 0

@@ -193,6 +193,8 @@ class _Work:
 
 
 class DialogEngine:
+    reports_p_end = True  # `p_end_of_turn` gives the LLM's P(end of turn) once the user's words are in
+
     def __init__(self, model: Transformer, tokenizer: ChatTokenizer, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.model = model

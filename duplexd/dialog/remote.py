@@ -13,13 +13,14 @@ What it cannot do, by construction:
 - No bounded KV window in this process: the remote server owns its cache and context length. What this
   side keeps is bounded instead: at most `remote_history_chars` of earlier turns (the oldest go first) and
   `_MAX_TURN_CHARS` of the user's open turn are sent.
-- No P(end of turn): `p_end_of_turn` is always None. The endpointer then waits `turn.max_silence_ms`
-  before ending a turn (not less when the words sound finished), and, since the conversation drafts only
-  once it has that probability, speculative listening makes no drafts.
-- No lossless token-level drafts: were a draft made (`fork` + `start_reply`), its request goes out at once;
-  `adopt` makes that stream the reply (same messages, greedy: it is what the real request would return,
-  as far as the remote server is deterministic); a dropped draft's request is cancelled. A draft's
-  `decode_limit` only holds its pieces back; the stream runs on.
+- No P(end of turn): `p_end_of_turn` is always None (`reports_p_end` False). The endpointer then waits
+  `turn.max_silence_ms` before ending a turn (not less when the words sound finished).
+- No lossless token-level drafts; speculative listening becomes an early request instead: the
+  conversation drafts at the user's pause without waiting for a P(end of turn) (`reports_p_end`), a draft
+  (`fork` + `start_reply`) sends its request at once, `adopt` at the end of the turn makes that stream the
+  reply (same messages, greedy: it is what the real request would return, as far as the remote server is
+  deterministic), and a dropped draft's request is cancelled. The endpointer's long wait is its head
+  start. A draft's `decode_limit` only holds its pieces back; the stream runs on.
 - `interrupt` cancels the stream (the HTTP response is closed) and keeps the heard pieces as the assistant
   message; a reply that fails (unreachable server, HTTP error, timeout, a malformed stream) ends with what
   had arrived, logged, and the conversation goes on.
@@ -288,6 +289,8 @@ class RemoteDialogEngine:
 
     Not thread-safe, like the local engine: one worker calls it, `step()` on its thread. Only the request
     threads run beside it, and they touch nothing but their `_Stream`, under `self._cond`."""
+
+    reports_p_end = False  # the conversation drafts at the pause without it (an early request)
 
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config

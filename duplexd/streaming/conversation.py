@@ -188,7 +188,11 @@ class Conversation:
         drafts: int = 2,
         auto_turns: bool = True,
         auto_respond: bool = True,
+        llm_p_end: bool = True,
     ) -> None:
+        """`llm_p_end`: the LLM reports P(end of turn) for the user's words (the remote backend does not);
+        drafts then wait for it, as the sign that the LLM has every committed word. Without it they go at
+        the pause (the worker applies the words before the draft, in order)."""
         self.auto_turns = auto_turns  # False: a turn ends only by `commit`/`respond` (the client decides)
         self.auto_respond = auto_respond  # False: a turn that ends waits for `respond` to be answered
         self._held_appends: list[AppendUserText] = []  # with auto_turns off: words not committed by the client
@@ -196,6 +200,7 @@ class Conversation:
         self._turn = turn
         self._tts = tts
         self._speculate = speculate
+        self._llm_p_end = llm_p_end
         self._max_drafts = drafts
         self._tentative: dict[int, tuple[Word, ...]] = {}  # open utterances' words not committed yet
         self._drafted: set[tuple[int, str]] = set()  # (version, words) drafted this turn
@@ -323,7 +328,12 @@ class Conversation:
         p = self._p_end if self._p_version == self._versions else None
         if self._endpointer.turn_over(silence_ms=silence_ms, text_final=final, text=text, p_end=p):
             out += self._end_turn(stream_s, silence_ms, p, reply=self.auto_respond)
-        elif self._speculate and self.auto_respond and silence_ms >= max(self._turn.pause_ms, 32) and p is not None:
+        elif (
+            self._speculate
+            and self.auto_respond
+            and silence_ms >= max(self._turn.pause_ms, 32)
+            and (p is not None or not self._llm_p_end)
+        ):
             out.extend(self._drafts())
         return out
 

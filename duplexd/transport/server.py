@@ -1104,8 +1104,14 @@ class _Connection:
         self.send(self._started_message(msg, dialog))
 
     def _new_conversation(self) -> cv.Conversation:
-        spec, config = self.server.config.speculation, self.server.config
-        return cv.Conversation(config.turn, config.tts, speculate=spec.enabled, drafts=spec.drafts_per_session)
+        spec, config, dialog = self.server.config.speculation, self.server.config, self.server.dialog
+        return cv.Conversation(
+            config.turn,
+            config.tts,
+            speculate=spec.enabled,
+            drafts=spec.drafts_per_session,
+            llm_p_end=dialog is None or dialog.engine.reports_p_end,
+        )
 
     def _open_datagram(self, msg: protocol.SessionStart) -> dict[str, Any]:
         datagram, t = self.server.datagram, self.server.config.transport

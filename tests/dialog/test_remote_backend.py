@@ -380,3 +380,53 @@ async def test_the_stream_format_of_other_servers(caplog: pytest.LogCaptureFixtu
         assert engine.stats["failed"] == 1
         (record,) = [r.getMessage() for r in caplog.records]
         assert message in record and "k3y" not in record
+
+
+@slow
+async def test_a_spoken_turn_drafts_an_early_request_and_adopts_it(engines, llm_url: str, clip_by_name) -> None:
+    """Speculative listening with a backend that has no P(end of turn): the conversation drafts at the
+    user's pause, the draft's request goes out then, and at the end of the turn (after the endpointer's
+    long wait) the reply is that stream, equal to a fresh request for the same turn."""
+    from duplexd.bench import scenarios as sc
+    from duplexd.clients.converse import converse_pcm
+    from duplexd.config import ServerConfig
+    from duplexd.transport.server import Server
+
+    config = ServerConfig()
+    config = dataclasses.replace(config, transport=dataclasses.replace(config.transport, port=0))
+    remote = RemoteDialogEngine(RemoteConfig.from_config(dataclasses.replace(config.dialog, remote_url=llm_url)))
+    server = Server(config, dataclasses.replace(engines, dialog=remote))
+    stop = asyncio.Event()
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(server.run(stop, ready=ready))
+    audio = sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)
+    try:
+        port = await asyncio.wait_for(ready, 30)
+        result = await converse_pcm(
+            f"ws://127.0.0.1:{port}/v1/stream",
+            audio,
+            sc.RATE,
+            max_s=60,
+            until=lambda events: any(r.event["type"] == "reply.done" for r in events),
+        )
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    (spec,) = [r.event for r in result.events if r.event["type"] == "reply.speculation"]
+    assert spec["drafts"] >= 1 and spec["hit"], spec
+    (turn,) = [r.event["text"] for r in result.events if r.event["type"] == "turn.ended"]
+    (done,) = [r.event["text"] for r in result.events if r.event["type"] == "reply.done"]
+    fresh = RemoteDialogEngine(remote.config)
+    assert done == await _reply_to(fresh, turn, SYSTEM)  # the adopted stream is the reply a fresh request gets
+    assert server.dialog is not None and server.dialog.stats.hits == 1
+
+
+async def _reply_to(engine: RemoteDialogEngine, text: str, system: str) -> str:
+    sid = engine.open(system)
+    engine.append_user_text(sid, text)
+    engine.start_reply(sid)
+    while engine.replying(sid):
+        await asyncio.to_thread(engine.step)
+    reply = engine.tokenizer.decode(engine.reply_tokens(sid))
+    engine.close(sid)
+    return reply

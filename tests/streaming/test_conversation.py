@@ -267,6 +267,22 @@ def test_a_pause_drafts_the_reply_for_the_words_the_final_pass_will_most_likely_
     assert of(out, cv.StartReply) and not of(out, cv.DraftReply)
 
 
+def test_without_an_llm_p_end_drafts_go_at_the_pause() -> None:
+    """The remote backend reports no P(end of turn): a draft (an early request) goes at the pause, and the
+    turn ends only after `max_silence_ms`, which is the draft's head start."""
+    turn = TurnConfig(min_silence_ms=500, max_silence_ms=1200)
+    conv = cv.Conversation(turn, TtsConfig(), speculate=True, llm_p_end=False)
+    w = words("what is the capital of France?")
+    of(conv.observe([TranscriptUpdated(1, w, 3)]), cv.AppendUserText)
+    assert conv.tick(stream_s=3.0, silence_ms=100, asr_settled=False) == []  # not a pause yet
+    drafts = of(conv.tick(stream_s=3.1, silence_ms=250, asr_settled=False), cv.DraftReply)
+    assert [d.text for d in drafts] == [" capital of France?", " capital of"]
+    (append,) = of(conv.observe([UtteranceFinalized(1, w)]), cv.AppendUserText)
+    assert append.text == drafts[0].text
+    assert not of(conv.tick(stream_s=3.6, silence_ms=700, asr_settled=True), cv.StartReply)  # no P: waits
+    assert of(conv.tick(stream_s=4.1, silence_ms=1200, asr_settled=True), cv.StartReply)
+
+
 def test_drafts_for_the_settled_text_and_never_while_replying() -> None:
     conv = cv.Conversation(TurnConfig(min_silence_ms=1000), TtsConfig(), speculate=True)
     out = say(conv, 1, "Tell me a story", p_end=0.001)
