@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,22 +62,33 @@ def _load(port: int, sessions: int, duration_s: float, clips: list, **kwargs: An
     return _summary(asyncio.run(loadtest.run(url, sessions, duration_s, clips, **kwargs)))
 
 
-def capacity(args: argparse.Namespace) -> dict[str, Any]:
-    clips = load_clips(args.data)
+def sweep(max_sessions: int, measure: Callable[[int], dict[str, Any]], *, continuous: bool = False) -> tuple[int, list]:
+    """Load tests at N = 1, 2, ... (`measure(n)`) until two N in a row fail the criteria, or `max_sessions`.
+    Returns N* (the largest N for which every N' <= N passed) and the runs, each with its `failed` list."""
     rows: list[dict[str, Any]] = []
     n_star, failing = 0, 0
-    for n in range(1, args.max_sessions + 1):
-        print(f"N = {n}")
-        with server_process(args.config, settings={"admission.enabled": "false"}) as port:
-            r = _load(port, n, args.duration, clips, ramp=False, continuous=args.continuous)
-        r["failed"] = meets(r, continuous=args.continuous)
+    for n in range(1, max_sessions + 1):
+        r = measure(n)
+        r["failed"] = meets(r, continuous=continuous)
         rows.append(r)
-        print(f"  {'ok' if not r['failed'] else 'fails ' + ', '.join(r['failed'])}")
+        print(f"  {'ok' if not r['failed'] else 'fails ' + ', '.join(r['failed'])}", flush=True)
         if not r["failed"] and failing == 0:
             n_star = n
         failing = failing + 1 if r["failed"] else 0
         if failing >= 2:
             break
+    return n_star, rows
+
+
+def capacity(args: argparse.Namespace) -> dict[str, Any]:
+    clips = load_clips(args.data)
+
+    def measure(n: int) -> dict[str, Any]:
+        print(f"N = {n}", flush=True)
+        with server_process(args.config, settings={"admission.enabled": "false"}) as port:
+            return _load(port, n, args.duration, clips, ramp=False, continuous=args.continuous)
+
+    n_star, rows = sweep(args.max_sessions, measure, continuous=args.continuous)
     return {
         "benchmark": "capacity",
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

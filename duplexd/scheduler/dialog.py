@@ -18,10 +18,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from duplexd.config import SpeculationConfig
-from duplexd.dialog.engine import DialogEngine
+from duplexd.dialog.engine import Priority
 from duplexd.dialog.kv_window import PoolFull
 from duplexd.dialog.speculation import Draft, HypothesisPool
 from duplexd.errors import Overloaded
@@ -33,6 +33,37 @@ _YIELD_POLL_S = 0.01
 _DRAFT_SHOWN_AT = 6  # reply tokens: a first spoken piece (two words, or a short clause) is in them
 
 DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply
+
+
+class LlmEngine(Protocol):
+    """What the worker and the server use of a dialog engine: `DialogEngine` (in process, the KV window,
+    lossless drafts) and `dialog.remote.RemoteDialogEngine` (an OpenAI-compatible server) both provide it.
+    Not thread-safe: one worker calls it, `step()` on the worker's thread."""
+
+    config: Any  # .model: its name
+    tokenizer: Any  # .decode(token ids) -> text
+    pool: Any  # .slots, .free: conversation slots
+    stats: dict[str, float]
+    step_samples: deque[tuple[float, int, int]]  # (seconds, sessions, tokens) per step, for /metrics
+    reports_p_end: bool  # p_end_of_turn gives a probability (else drafts go at the pause: early requests)
+
+    def open(self, system_prompt: str | None = None, *, priority: Priority = Priority.NORMAL) -> int: ...
+    def close(self, sid: int) -> None: ...
+    def fork(self, sid: int, *, priority: Priority = Priority.DRAFT, decode_limit: int | None = None) -> int: ...
+    def adopt(self, sid: int, draft: int) -> None: ...
+    def state_key(self, sid: int) -> int: ...
+    def steps_to_reply(self, sid: int) -> int: ...
+    def parked(self, sid: int) -> bool: ...
+    @property
+    def free_slots(self) -> int: ...
+    def replying(self, sid: int) -> bool: ...
+    def reply_tokens(self, sid: int) -> list[int]: ...
+    def busy(self, *, drafts: bool = True) -> bool: ...
+    def append_user_text(self, sid: int, text: str) -> None: ...
+    def p_end_of_turn(self, sid: int) -> float | None: ...
+    def start_reply(self, sid: int) -> None: ...
+    def interrupt(self, sid: int, heard_tokens: int) -> None: ...
+    def step(self) -> Any: ...
 
 
 class DialogClient(Protocol):
@@ -102,7 +133,7 @@ _Queued = _Open | _Close | _ForSession
 class DialogWorker:
     def __init__(
         self,
-        engine: DialogEngine,
+        engine: LlmEngine,
         system_prompt: str | None = None,
         max_commands: int = 4096,
         speculation: SpeculationConfig | None = None,

@@ -35,10 +35,9 @@ from duplexd import __version__, logs
 from duplexd.asr.engine import AsrEngine
 from duplexd.asr.vad import SileroVad
 from duplexd.config import ServerConfig
-from duplexd.dialog.engine import DialogEngine
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
 from duplexd.scheduler.admission import Aimd, AimdConfig
-from duplexd.scheduler.dialog import DialogWorker
+from duplexd.scheduler.dialog import DialogWorker, LlmEngine
 from duplexd.scheduler.tts import TtsWorker
 from duplexd.scheduler.workers import AsrScheduler, VadWorker
 from duplexd.streaming import conversation as cv
@@ -92,7 +91,7 @@ class Engines:
 
     vad: SileroVad
     asr: AsrEngine
-    dialog: DialogEngine | None = None
+    dialog: LlmEngine | None = None  # DialogEngine, or RemoteDialogEngine (`[dialog] backend`)
     tts: TtsEngine | None = None
 
 

@@ -332,9 +332,10 @@ def _delta(text: str | None, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
 
 
-async def _reply(engine: RemoteDialogEngine) -> str:
-    sid = engine.open()
-    engine.append_user_text(sid, "Hi")
+async def _reply(engine: RemoteDialogEngine, text: str = "Hi", system: str | None = None) -> str:
+    """One turn's reply, stepped until it ends."""
+    sid = engine.open(system)
+    engine.append_user_text(sid, text)
     engine.start_reply(sid)
     while engine.replying(sid):
         await asyncio.to_thread(engine.step)
@@ -417,16 +418,5 @@ async def test_a_spoken_turn_drafts_an_early_request_and_adopts_it(engines, llm_
     (turn,) = [r.event["text"] for r in result.events if r.event["type"] == "turn.ended"]
     (done,) = [r.event["text"] for r in result.events if r.event["type"] == "reply.done"]
     fresh = RemoteDialogEngine(remote.config)
-    assert done == await _reply_to(fresh, turn, SYSTEM)  # the adopted stream is the reply a fresh request gets
+    assert done == await _reply(fresh, turn, SYSTEM)  # the adopted stream is the reply a fresh request gets
     assert server.dialog is not None and server.dialog.stats.hits == 1
-
-
-async def _reply_to(engine: RemoteDialogEngine, text: str, system: str) -> str:
-    sid = engine.open(system)
-    engine.append_user_text(sid, text)
-    engine.start_reply(sid)
-    while engine.replying(sid):
-        await asyncio.to_thread(engine.step)
-    reply = engine.tokenizer.decode(engine.reply_tokens(sid))
-    engine.close(sid)
-    return reply
