@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from duplexd.bench.server import free_port
+
 DEFAULT_CHECK_MS = 500
 SCRAPED = (
     "duplexd_sessions_admitted_total",
@@ -133,14 +135,6 @@ def scrape_metrics(url: str, names: tuple[str, ...]) -> dict[str, float]:
     }
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class Cluster:
     """`workers` `duplexd serve` processes (w1, w2, ...) and one HAProxy in front of them. A context
     manager: everything is started (and every worker ready) on entry, stopped on exit.
@@ -166,10 +160,10 @@ class Cluster:
         if workers < 1:
             raise ClusterError("a cluster needs at least one worker")
         self.host = host
-        self.port = port or _free_port(host)
-        self.stats_port = None if stats_port is None else (stats_port or _free_port(host))
+        self.port = port or free_port(host)
+        self.stats_port = None if stats_port is None else (stats_port or free_port(host))
         self.workers = [
-            Worker(f"w{i + 1}", host, base_port + i + 1 if base_port else _free_port(host)) for i in range(workers)
+            Worker(f"w{i + 1}", host, base_port + i + 1 if base_port else free_port(host)) for i in range(workers)
         ]
         self.serve_args = list(serve_args or [])
         self.env = dict(env or {})

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -27,16 +26,13 @@ import numpy as np
 from duplexd.bench import write_result
 from duplexd.bench.capacity import MAX_FIRST_AUDIO_P90_S, MAX_MISS_RATIO, MAX_WORD_LATENCY_P90_S, _summary, sweep
 from duplexd.bench.data import load_clips
+from duplexd.bench.latency import percentile
 from duplexd.clients import loadtest
 from duplexd.clients.stream import StreamClient
 from duplexd.cluster import Cluster
 
 RATE = 16_000
 FRAME_S = 0.02
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    return round(float(np.percentile(xs, q)), 3) if xs else None
 
 
 async def _round_trips(url: str, seconds: float) -> list[float]:
@@ -75,13 +71,20 @@ def balancer_latency(seconds: float) -> dict[str, Any]:
             return a, b
 
         balanced, direct = asyncio.run(both())
+    rtt = {
+        name: {q: percentile(xs, q) for q in (50, 90, 99)} for name, xs in (("balanced", balanced), ("direct", direct))
+    }
     out: dict[str, Any] = {"seconds": seconds}
     for name, xs in (("balanced", balanced), ("direct", direct)):
-        out[name] = {"acks": len(xs), **{f"rtt_p{q}_ms": _pct(xs, q) for q in (50, 90, 99)}}
+        out[name] = {"acks": len(xs), **{f"rtt_p{q}_ms": _round(v) for q, v in rtt[name].items()}}
     if balanced and direct:
-        out["added_p50_ms"] = round(statistics.median(balanced) - statistics.median(direct), 3)
-        out["added_p90_ms"] = round(_pct(balanced, 90) - _pct(direct, 90), 3)  # type: ignore[operator]
+        for q in (50, 90):
+            out[f"added_p{q}_ms"] = round(rtt["balanced"][q] - rtt["direct"][q], 3)  # type: ignore[operator]
     return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 def n_star(workers: int, args: argparse.Namespace, clips: list) -> dict[str, Any]:
