@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import csv
 import io
-import json
 import os
 import shutil
 import signal
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from duplexd.bench.server import free_port
+from duplexd.bench.server import free_port, http_json
 
 DEFAULT_CHECK_MS = 500
 SCRAPED = (
@@ -114,11 +113,6 @@ backend workers
     retries 1
 {servers}
 {stats}"""
-
-
-def http_json(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:
-        return json.loads(r.read())
 
 
 def scrape_metrics(url: str, names: tuple[str, ...]) -> dict[str, float]:

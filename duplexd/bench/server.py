@@ -22,9 +22,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def health(port: int) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+def http_json(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return json.loads(r.read())
+
+
+def health(port: int) -> dict[str, Any]:
+    return http_json(f"http://127.0.0.1:{port}/healthz")
 
 
 @contextlib.contextmanager
