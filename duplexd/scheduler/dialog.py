@@ -6,7 +6,9 @@ step on its thread and hands each session its new reply text and P(end of turn).
 
 Speculative listening lives here too: `DraftReply` forks the conversation into a draft (a low-priority
 engine session, see `dialog/speculation.py`); `StartReply` adopts the draft made for exactly the
-conversation's state, whose tokens then go out at once, or starts the reply from scratch on a miss.
+conversation's state, or starts the reply from scratch on a miss. A hit's tokens go out as the command
+arrives, not after the step in flight (often the draft's own next token): the worker keeps, between
+steps, each conversation's `state_key` and each draft's tokens, so it can tell a hit without the engine.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class SpeculationStats:
     behind: int = 0  # turns whose matching draft was not used: the conversation itself was further on
     draft_tokens: int = 0  # reply tokens decoded by drafts
     adopted_tokens: int = 0  # ... of them used by adopted drafts
+    early: int = 0  # hits whose tokens went out before the step in flight ended (`_early_reply`)
     wasted_tokens: int = 0  # ... of them dropped with their drafts
 
     def as_dict(self) -> dict[str, float]:
@@ -107,6 +110,8 @@ class _Entry:
     p_version: int = -1  # the version whose P(end of turn) was reported
     drafts_made: int = 0  # for the turn in progress
     drafts_shown: set[int] = field(default_factory=set)  # drafts whose text went to `on_draft`
+    key: int | None = None  # the engine's state_key for it, as of the last time commands were applied
+    early: tuple[int, int] | None = None  # (reply, tokens) handed to the client before the reply started
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,7 @@ class DialogWorker:
         self._yield_to = yield_to
         self._entries: dict[int, _Entry] = {}
         self._commands: deque[_Queued] = deque()
+        self._draft_tokens: dict[int, list[int]] = {}  # draft sid -> its reply tokens, as of the last step
         self._max_commands = max_commands
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-llm")
@@ -171,7 +177,39 @@ class DialogWorker:
         return await done
 
     def submit(self, sid: int, command: DialogCommand) -> None:
+        if isinstance(command, StartReply) and self._early_reply(sid, command.reply):
+            return
         self._queue(_ForSession(sid, command))
+
+    def _early_reply(self, sid: int, reply: int) -> bool:
+        """The turn ended: if a draft made for exactly this state has tokens, hand them to the client now
+        (a step may be in flight for a while) and queue the `StartReply` first, so that the draft is
+        adopted before any other command could evict it. They are the tokens the reply will have
+        whatever happens: a draft with an equal key is the reply, token for token."""
+        entry = self._entries.get(sid)
+        if entry is None or entry.key is None or entry.reply is not None or not self.speculation.enabled:
+            return False
+        if any(isinstance(c, _ForSession) and c.sid == sid for c in self._commands):
+            return False  # the key is about to change
+        draft = next((d for d in self._pool.drafts(sid) if d.key == entry.key), None)
+        tokens = self._draft_tokens.get(draft.sid) if draft is not None else None
+        if not tokens:
+            return False
+        if len(self._commands) >= self._max_commands:
+            raise Overloaded("dialog command queue is full")
+        self._commands.appendleft(_ForSession(sid, StartReply(reply)))
+        self._wake.set()
+        asyncio.get_running_loop().call_soon(self._report_early, sid, reply, tokens)
+        return True
+
+    def _report_early(self, sid: int, reply: int, tokens: list[int]) -> None:
+        entry = self._entries.get(sid)
+        if entry is None or entry.last_reply == reply:  # gone, or started already: reported from there
+            return
+        entry.early = (reply, len(tokens))
+        self.stats.early += 1
+        tok = self.engine.tokenizer
+        entry.client.on_reply(reply, [tok.decode(tokens[:k]) for k in range(1, len(tokens) + 1)], False)
 
     def close(self, sid: int) -> None:
         self._queue(_Close(sid))
@@ -188,7 +226,7 @@ class DialogWorker:
                     except Exception as exc:  # PoolFull, or a broken engine
                         done.set_exception(exc)
                         continue
-                    self._entries[sid] = _Entry(client)
+                    self._entries[sid] = _Entry(client, key=engine.state_key(sid))
                     done.set_result(sid)
                 case _Close(sid=sid):
                     if self._entries.pop(sid, None) is not None:
@@ -198,6 +236,7 @@ class DialogWorker:
                     entry = self._entries.get(sid)
                     if entry is not None:
                         self._command(sid, entry, command)
+                        entry.key = engine.state_key(sid) if entry.reply is None else None
 
     def _open_session(self, system_prompt: str | None) -> int:
         while True:
@@ -274,6 +313,9 @@ class DialogWorker:
         entry.drafts_made = 0
         entry.drafts_shown.clear()
         entry.reply, entry.last_reply, entry.reported = reply, reply, 0
+        if entry.early is not None and entry.early[0] == reply:
+            entry.reported = entry.early[1]  # went out before the reply started (`_early_reply`)
+        entry.early = None
 
     def _drop_behind(self, sid: int) -> None:
         """Drafts for the words the conversation now has, but that have yet to take in some of them: the
@@ -291,6 +333,7 @@ class DialogWorker:
 
     def _drop(self, drafts: list[Draft]) -> None:
         for d in drafts:
+            self._draft_tokens.pop(d.sid, None)
             wasted = len(self.engine.reply_tokens(d.sid))
             self.stats.wasted_tokens += wasted
             self.stats.draft_tokens += wasted
@@ -305,6 +348,7 @@ class DialogWorker:
             entry.drafts_shown.intersection_update(d.sid for d in drafts)  # (forget drafts gone)
             for d in drafts:
                 tokens = engine.reply_tokens(d.sid)
+                self._draft_tokens[d.sid] = tokens
                 ready = len(tokens) >= min(_DRAFT_SHOWN_AT, self.speculation.draft_tokens) or engine.parked(d.sid)
                 if d.sid not in entry.drafts_shown and tokens and ready:
                     entry.drafts_shown.add(d.sid)
@@ -318,6 +362,7 @@ class DialogWorker:
                     reply = entry.reply
                     if done:
                         entry.reply = None
+                        entry.key = engine.state_key(sid)
                     entry.client.on_reply(reply, texts, done)
             if entry.p_version != entry.version:
                 p = engine.p_end_of_turn(sid)

@@ -173,3 +173,43 @@ async def test_drafts_wait_while_other_work_runs(engine) -> None:
     finally:
         task.cancel()
         worker.close_worker()
+
+
+async def test_a_hit_goes_out_without_waiting_for_the_step_in_flight(engine) -> None:
+    """At the end of the turn a hit's drafted tokens reach the client at once, while another session's
+    prefill step is still running, and the reply is still token for token the one made without drafts."""
+    question = "What is the capital of France?"
+    plain, _ = await converse(engine, [("say", question)], speculate=False)
+    worker = DialogWorker(engine, speculation=SpeculationConfig(draft_tokens=6))
+    task = asyncio.create_task(worker.run())
+    try:
+        client, other = Client(), Client()
+        seen: list[tuple[int, int]] = []  # (engine steps, texts) at each report
+        client.on_reply = lambda reply, texts, done: (  # type: ignore[method-assign]
+            seen.append((engine.stats["steps"], len(texts))),
+            done and client.done.set(),
+        )
+        sid, busy_sid = await worker.open(client), await worker.open(other)
+        worker.submit(sid, AppendUserText(question, 1))
+        await settle(worker, drafts=False)  # (the conversation drafts once the LLM has the words)
+        worker.submit(sid, DraftReply("", 1))
+        await settle(worker)  # the draft is parked with its 6 tokens
+        # Another conversation's long turn: prefill steps one after another (64 tokens each).
+        worker.submit(busy_sid, AppendUserText(" ".join(["Tell me about the history of Paris."] * 40), 1))
+        while not engine.busy(drafts=False):
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # (from here on a step is always in flight while this coroutine runs)
+        steps = engine.stats["steps"]
+        worker.submit(sid, StartReply(1))
+        await asyncio.sleep(0)  # the reply's first tokens are handed over in the next loop iteration
+        assert seen == [(steps, 6)]  # all six drafted tokens, and no step ended in between
+        await asyncio.wait_for(client.done.wait(), 120)
+        assert engine.reply_tokens(sid) == plain
+        assert sum(n for _, n in seen) == len(plain)  # each token reported once
+        assert worker.stats.early == 1 and worker.stats.hits == 1
+        worker.close(sid)
+        worker.close(busy_sid)
+        await settle(worker)
+    finally:
+        task.cancel()
+        worker.close_worker()
