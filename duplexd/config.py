@@ -308,11 +308,18 @@ class SpeculationConfig:
     yield_to_asr: bool = True
     """Drafts wait while a recognizer pass or a reply's synthesis runs. Where the LLM has cores (or a GPU)
     of its own, false lets drafts run beside the final pass, when a hypothesis draft can still hit."""
+    head_start_tokens: int = 0
+    """... except that a draft may run beside a recognizer pass (not beside a reply's synthesis) until it
+    has this many reply tokens. The recognizer's hypothesis at the pause is usually the final text, which
+    the final pass (~0.5 s) then only confirms: with a head start the draft has its words, the assistant
+    header and its first token by then, and the reply starts the moment the turn ends. Off by default: on
+    two cores the drafts slow the pass more than they save (docs/benchmarks.md, "Speculative listening")."""
 
     def __post_init__(self) -> None:
         _require(self.draft_tokens >= 1, "speculation.draft_tokens", self.draft_tokens, ">= 1")
         _require(self.drafts_per_session >= 1, "speculation.drafts_per_session", self.drafts_per_session, ">= 1")
         _require(self.max_drafts >= 1, "speculation.max_drafts", self.max_drafts, ">= 1")
+        _require(self.head_start_tokens >= 0, "speculation.head_start_tokens", self.head_start_tokens, ">= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ batch-invariant decoding), so it is adopted as is; every other draft is dropped 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -39,6 +40,9 @@ class HypothesisPool:
 
     def __len__(self) -> int:
         return len(self._drafts)
+
+    def __iter__(self) -> Iterator[Draft]:
+        return iter(list(self._drafts.values()))
 
     def drafts(self, owner: int) -> list[Draft]:
         return [d for d in self._drafts.values() if d.owner == owner]

@@ -143,15 +143,19 @@ class DialogWorker:
         max_commands: int = 4096,
         speculation: SpeculationConfig | None = None,
         yield_to: Callable[[], bool] | None = None,
+        head_start: Callable[[], bool] | None = None,
     ) -> None:
         """`yield_to`: True while other work that must not be slowed down runs on this machine's cores (a
-        recognizer pass, speech synthesis for a reply); drafts wait for it to finish."""
+        recognizer pass, speech synthesis for a reply); drafts wait for it to finish. `head_start`: True
+        while that work is only recognizer passes, when drafts short of `speculation.head_start_tokens`
+        reply tokens may still step."""
         self.engine = engine
         self._system_prompt = system_prompt  # None: the engine's own
         self.speculation = speculation or SpeculationConfig()
         self._pool = HypothesisPool(self.speculation.drafts_per_session, self.speculation.max_drafts)
         self.stats = SpeculationStats()
         self._yield_to = yield_to
+        self._head_start = head_start
         self._entries: dict[int, _Entry] = {}
         self._commands: deque[_Queued] = deque()
         self._draft_tokens: dict[int, list[int]] = {}  # draft sid -> its reply tokens, as of the last step
@@ -384,7 +388,8 @@ class DialogWorker:
                 if not self.engine.busy(drafts=False):
                     if not self.engine.busy():
                         break
-                    if self._yield_to is not None and self._yield_to():  # only drafts to step: they wait
+                    if self._yield_to is not None and self._yield_to() and not self._head_start_due():
+                        # only drafts to step: they wait
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self._wake.wait(), _YIELD_POLL_S)
                         self._wake.clear()
@@ -394,6 +399,14 @@ class DialogWorker:
                 except Exception:
                     log.exception("dialog step failed")
                     await asyncio.sleep(0.1)
+
+    def _head_start_due(self) -> bool:
+        """A draft still short of its head start (see `SpeculationConfig.head_start_tokens`) may step."""
+        want = self.speculation.head_start_tokens
+        if not want or self._head_start is None or not self._head_start():
+            return False
+        engine = self.engine
+        return any(len(engine.reply_tokens(d.sid)) < want and not engine.parked(d.sid) for d in self._pool)
 
     def close_worker(self) -> None:
         """Stop: wait out a step in flight, then free every conversation's KV slot (the engine may outlive

@@ -156,6 +156,13 @@ class AsrScheduler:
                 self.stats.audio_s += len(request.audio) / ASR_SAMPLE_RATE
                 self.stats.recent_pass_s.append(elapsed)
                 self.cost.observe(len(request.audio) / ASR_SAMPLE_RATE, elapsed)
+                log.debug(
+                    "session %s: %s pass over %.2f s in %.3f s",
+                    session.id,
+                    "final" if request.final else "partial",
+                    len(request.audio) / ASR_SAMPLE_RATE,
+                    elapsed,
+                )
                 if self._clients.get(session.id) is client:
                     client.emit(session.apply_pass(request, result))
                     client.idle.set()

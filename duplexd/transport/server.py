@@ -109,6 +109,7 @@ class Server:
                 config.dialog.system_prompt,
                 speculation=config.speculation,
                 yield_to=self._others_busy if config.speculation.yield_to_asr else None,
+                head_start=self._no_reply_synthesis,
             )
             if engines.dialog and engines.tts
             else None
@@ -360,6 +361,10 @@ class Server:
     def _others_busy(self) -> bool:
         """A recognizer pass or a reply's synthesis is running: drafts (speculative work) wait."""
         return self.asr.busy or (self.tts is not None and self.tts.busy)
+
+    def _no_reply_synthesis(self) -> bool:
+        """No reply is being synthesized (a draft's head start may run beside a recognizer pass)."""
+        return not (self.tts is not None and self.tts.busy)
 
     def models(self) -> dict[str, str | None]:
         return {

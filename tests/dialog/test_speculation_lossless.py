@@ -196,9 +196,8 @@ async def test_a_hit_goes_out_without_waiting_for_the_step_in_flight(engine) -> 
         await settle(worker)  # the draft is parked with its 6 tokens
         # Another conversation's long turn: prefill steps one after another (64 tokens each).
         worker.submit(busy_sid, AppendUserText(" ".join(["Tell me about the history of Paris."] * 40), 1))
-        while not engine.busy(drafts=False):
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(0.05)  # (from here on a step is always in flight while this coroutine runs)
+        await asyncio.sleep(0.05)
+        assert engine.busy(drafts=False)  # (so a step is in flight whenever this coroutine runs)
         steps = engine.stats["steps"]
         worker.submit(sid, StartReply(1))
         await asyncio.sleep(0)  # the reply's first tokens are handed over in the next loop iteration
@@ -209,6 +208,44 @@ async def test_a_hit_goes_out_without_waiting_for_the_step_in_flight(engine) -> 
         assert worker.stats.early == 1 and worker.stats.hits == 1
         worker.close(sid)
         worker.close(busy_sid)
+        await settle(worker)
+    finally:
+        task.cancel()
+        worker.close_worker()
+
+
+async def test_a_head_start_runs_a_draft_beside_a_recognizer_pass_up_to_its_first_tokens(engine) -> None:
+    """`head_start_tokens`: while only a recognizer pass runs, drafts step until they have that many reply
+    tokens, then wait like any draft; beside a reply's synthesis they get no step at all."""
+    asr_busy, tts_busy = True, True
+    worker = DialogWorker(
+        engine,
+        speculation=SpeculationConfig(draft_tokens=6, head_start_tokens=2),
+        yield_to=lambda: asr_busy or tts_busy,
+        head_start=lambda: not tts_busy,
+    )
+    task = asyncio.create_task(worker.run())
+    try:
+        client = Client()
+        sid = await worker.open(client)
+        worker.submit(sid, AppendUserText("What is the capital of France?", 1))
+        await settle(worker, drafts=False)
+        worker.submit(sid, DraftReply(" Really?", 1))
+        steps = engine.stats["steps"]
+        await asyncio.sleep(0.3)
+        assert engine.stats["steps"] == steps  # a reply is being synthesized: no head start
+        tts_busy = False
+        for _ in range(600):  # words, then the header and the first token, then the second token
+            await asyncio.sleep(0.01)
+            (draft,) = worker._pool.drafts(sid)
+            if len(engine.reply_tokens(draft.sid)) >= 2:
+                break
+        await asyncio.sleep(0.3)
+        assert len(engine.reply_tokens(draft.sid)) == 2  # and no further while the pass runs
+        asr_busy = False
+        await settle(worker)
+        assert len(engine.reply_tokens(draft.sid)) == 6
+        worker.close(sid)
         await settle(worker)
     finally:
         task.cancel()
