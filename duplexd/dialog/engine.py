@@ -174,6 +174,7 @@ class _Session:
     cuts: deque[int] = field(default_factory=deque)  # lengths of the pieces queued in `pending`, in order
     key: int = 0  # hash of every chunk ingested so far (and every cut-back), in order
     decode_limit: int | None = None  # a draft stops (is parked) after this many reply tokens
+    reply_cap: int = 0  # a reply ends after this many tokens (set at `open`; 0: the engine's max_reply_tokens)
     user_open: bool = False
     replying: bool = False
     reply: list[int] = field(default_factory=list)
@@ -248,10 +249,20 @@ class DialogEngine:
 
     # --- sessions -------------------------------------------------------------------------------------
 
-    def open(self, system_prompt: str | None = None, *, priority: Priority = Priority.NORMAL) -> int:
-        """Start a conversation (its system turn is prefilled by the next steps). Raises `PoolFull`."""
+    def open(
+        self,
+        system_prompt: str | None = None,
+        *,
+        priority: Priority = Priority.NORMAL,
+        max_reply_tokens: int | None = None,
+    ) -> int:
+        """Start a conversation (its system turn is prefilled by the next steps). Raises `PoolFull`.
+
+        `max_reply_tokens`: this conversation's reply limit (a server's own, when servers share an engine);
+        None: the engine's."""
         slot = self.pool.allocate()
         session = _Session(next(self._ids), slot, WindowState(self.config.window), priority)
+        session.reply_cap = max_reply_tokens or self.config.max_reply_tokens
         system = (
             self.format.system
             if system_prompt is None
@@ -287,6 +298,7 @@ class DialogEngine:
             reply=list(parent.reply),
             reply_start=parent.reply_start,
             p_end_of_turn=parent.p_end_of_turn,
+            reply_cap=parent.reply_cap,
             log=deque(parent.log),
         )
         self._sessions[child.id] = child
@@ -591,7 +603,7 @@ class DialogEngine:
             return None
         session.reply.append(token)
         _queue(session, [token])
-        if len(session.reply) >= self.config.max_reply_tokens:
+        if len(session.reply) >= (session.reply_cap or self.config.max_reply_tokens):
             self._finish_reply(session)
         return token
 

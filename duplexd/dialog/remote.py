@@ -275,6 +275,7 @@ class _Conversation:
     system: str
     priority: Priority
     decode_limit: int | None = None
+    reply_cap: int = 0  # a reply ends after this many pieces (set at `open`)
     history: deque[tuple[str, str]] = field(default_factory=deque)  # finished (role, text) turns, alternating
     user_text: str = ""
     user_open: bool = False
@@ -319,11 +320,19 @@ class RemoteDialogEngine:
 
     # --- sessions -------------------------------------------------------------------------------------
 
-    def open(self, system_prompt: str | None = None, *, priority: Priority = Priority.NORMAL) -> int:
-        """Start a conversation. Raises `PoolFull` when `max_sessions` are open."""
+    def open(
+        self,
+        system_prompt: str | None = None,
+        *,
+        priority: Priority = Priority.NORMAL,
+        max_reply_tokens: int | None = None,
+    ) -> int:
+        """Start a conversation. Raises `PoolFull` when `max_sessions` are open. `max_reply_tokens`: this
+        conversation's reply limit, in pieces (None: `max_reply_tokens` of the configuration)."""
         self.pool.allocate()
         system = self.config.system_prompt if system_prompt is None else system_prompt
         conv = _Conversation(next(self._ids), system, priority)
+        conv.reply_cap = max_reply_tokens or self.config.max_reply_tokens
         self._sessions[conv.id] = conv
         return conv.id
 
@@ -346,6 +355,7 @@ class RemoteDialogEngine:
             parent.system,
             priority,
             decode_limit=decode_limit,
+            reply_cap=parent.reply_cap,
             history=deque(parent.history),
             user_text=parent.user_text,
             user_open=parent.user_open,
@@ -477,11 +487,11 @@ class RemoteDialogEngine:
             self._end_reply(c)
             return []
         new: list[int] = []
-        while stream.pieces and not _at_limit(c) and len(c.reply) < self.config.max_reply_tokens:
+        while stream.pieces and not _at_limit(c) and len(c.reply) < c.reply_cap:
             pid = self.tokenizer.add(stream.pieces.popleft())
             c.reply.append(pid)
             new.append(pid)
-        if len(c.reply) >= self.config.max_reply_tokens:
+        if len(c.reply) >= c.reply_cap:
             self._cancel(c)
             self._end_reply(c)
         elif stream.done and not stream.pieces:
@@ -504,7 +514,7 @@ class RemoteDialogEngine:
             "messages": _messages(c.system, c.history),
             "stream": True,
             "temperature": 0,
-            "max_tokens": self.config.max_reply_tokens,
+            "max_tokens": c.reply_cap,
         }
         with self._cond:
             if self._threads >= 2 * self.config.max_sessions:

@@ -49,7 +49,13 @@ class LlmEngine(Protocol):
     step_samples: deque[tuple[float, int, int]]  # (seconds, sessions, tokens) per step, for /metrics
     reports_p_end: bool  # p_end_of_turn gives a probability (else drafts go at the pause: early requests)
 
-    def open(self, system_prompt: str | None = None, *, priority: Priority = Priority.NORMAL) -> int: ...
+    def open(
+        self,
+        system_prompt: str | None = None,
+        *,
+        priority: Priority = Priority.NORMAL,
+        max_reply_tokens: int | None = None,
+    ) -> int: ...
     def close(self, sid: int) -> None: ...
     def fork(self, sid: int, *, priority: Priority = Priority.DRAFT, decode_limit: int | None = None) -> int: ...
     def adopt(self, sid: int, draft: int) -> None: ...
@@ -144,13 +150,16 @@ class DialogWorker:
         speculation: SpeculationConfig | None = None,
         yield_to: Callable[[], bool] | None = None,
         head_start: Callable[[], bool] | None = None,
+        max_reply_tokens: int | None = None,
     ) -> None:
         """`yield_to`: True while other work that must not be slowed down runs on this machine's cores (a
         recognizer pass, speech synthesis for a reply); drafts wait for it to finish. `head_start`: True
         while that work is only recognizer passes, when drafts short of `speculation.head_start_tokens`
-        reply tokens may still step."""
+        reply tokens may still step. `max_reply_tokens`: the conversations' reply limit (None: the engine's;
+        servers that share one engine each keep their own)."""
         self.engine = engine
         self._system_prompt = system_prompt  # None: the engine's own
+        self._max_reply_tokens = max_reply_tokens
         self.speculation = speculation or SpeculationConfig()
         self._pool = HypothesisPool(self.speculation.drafts_per_session, self.speculation.max_drafts)
         self.stats = SpeculationStats()
@@ -245,7 +254,10 @@ class DialogWorker:
     def _open_session(self, system_prompt: str | None) -> int:
         while True:
             try:
-                return self.engine.open(system_prompt if system_prompt is not None else self._system_prompt)
+                return self.engine.open(
+                    system_prompt if system_prompt is not None else self._system_prompt,
+                    max_reply_tokens=self._max_reply_tokens,
+                )
             except PoolFull:
                 oldest = self._pool.oldest()  # a draft never keeps a conversation out
                 if oldest is None:

@@ -110,6 +110,7 @@ class Server:
                 speculation=config.speculation,
                 yield_to=self._others_busy if config.speculation.yield_to_asr else None,
                 head_start=self._no_reply_synthesis,
+                max_reply_tokens=config.dialog.max_reply_tokens,
             )
             if engines.dialog and engines.tts
             else None

@@ -422,3 +422,19 @@ def test_the_unbounded_baseline_stays_in_its_budget_by_preempting_and_recomputin
         assert engine.kv_rows() <= budget
     assert engine.stats["preemptions"] > 0 and engine.stats["recomputed_tokens"] > 0
     assert [replies[sid] for sid in sids] == expected
+
+
+def test_each_conversation_can_have_its_own_reply_limit(smol) -> None:
+    """Servers that share one engine each keep their `dialog.max_reply_tokens`: the limit is per
+    conversation (given at `open`), and a fork (a draft) inherits it."""
+    engine = make_engine(smol, max_sessions=3, max_reply_tokens=12)
+    question = "Tell me a long story about a dragon."
+    _, long = ask(engine, question)
+    short = engine.open(max_reply_tokens=4)
+    engine.append_user_text(short, question)
+    run_until_idle(engine)
+    draft = engine.fork(short)
+    engine.start_reply(draft)
+    _, brief = ask(engine, "", short)
+    assert len(long) == 12 and brief == long[:4]
+    assert engine.reply_tokens(draft) == brief  # the draft stopped where its conversation does
