@@ -129,7 +129,7 @@ async def test_voice_conversation_in_chromium(make_server, fake_mic_wav: Path, t
     assert problems == [], problems
 
 
-STORYTELLER = sc.storyteller(max_reply_tokens=80, speed=0.7)
+STORYTELLER = sc.storyteller(max_reply_tokens=40, speed=0.7)  # (~12 s of speech: time to drop and resume)
 
 
 async def test_the_page_resumes_the_session_when_its_connection_drops(

@@ -8,6 +8,8 @@ in, drafts at pauses, the end of the turn. It runs twice on the same engine, spe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from duplexd.streaming.conversation import AppendUserText, DraftReply, StartRepl
 
 pytestmark = pytest.mark.slow
 
-REPLY_TOKENS = 12
+REPLY_TOKENS = 8  # (a drafted part, then decoding on from the adopted state)
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +72,27 @@ async def settle(worker: DialogWorker, *, drafts: bool = True) -> None:
     raise AssertionError("the worker never settled")
 
 
-async def converse(engine: DialogEngine, script: list[Step], speculate: bool) -> tuple[list[int], Client]:
-    worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=speculate, draft_tokens=6))
+@contextlib.asynccontextmanager
+async def running(worker: DialogWorker) -> AsyncIterator[DialogWorker]:
     task = asyncio.create_task(worker.run())
     try:
+        yield worker
+    finally:
+        task.cancel()
+        worker.close_worker()
+
+
+async def asked(worker: DialogWorker, client: Client, question: str = "What is the capital of France?") -> int:
+    """A conversation whose question the LLM has taken in (the conversation core drafts only then)."""
+    sid = await worker.open(client)
+    worker.submit(sid, AppendUserText(question, 1))
+    await settle(worker, drafts=False)
+    return sid
+
+
+async def converse(engine: DialogEngine, script: list[Step], speculate: bool) -> tuple[list[int], Client]:
+    worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=speculate, draft_tokens=4))
+    async with running(worker):
         client = Client()
         sid = await worker.open(client)
         version = 0
@@ -92,9 +111,6 @@ async def converse(engine: DialogEngine, script: list[Step], speculate: bool) ->
         await settle(worker)
         assert engine.sessions == 0  # the conversation and every draft freed their KV slots
         return reply, client
-    finally:
-        task.cancel()
-        worker.close_worker()
 
 
 def pieces(text: str, n: int) -> list[str]:
@@ -152,12 +168,9 @@ async def test_drafts_wait_while_other_work_runs(engine) -> None:
     """`yield_to` (a recognizer pass or a reply's synthesis running): drafts get no step until it ends."""
     busy = True
     worker = DialogWorker(engine, speculation=SpeculationConfig(draft_tokens=6), yield_to=lambda: busy)
-    task = asyncio.create_task(worker.run())
-    try:
+    async with running(worker):
         client = Client()
-        sid = await worker.open(client)
-        worker.submit(sid, AppendUserText("What is the capital of France?", 1))
-        await settle(worker, drafts=False)
+        sid = await asked(worker, client)
         worker.submit(sid, DraftReply("", 1))
         steps, draft_steps = engine.stats["steps"], engine.stats["draft_steps"]
         await asyncio.sleep(0.3)
@@ -170,9 +183,6 @@ async def test_drafts_wait_while_other_work_runs(engine) -> None:
         assert client.speculation == [(1, True, 6)]
         worker.close(sid)
         await settle(worker)
-    finally:
-        task.cancel()
-        worker.close_worker()
 
 
 async def test_a_hit_goes_out_without_waiting_for_the_step_in_flight(engine) -> None:
@@ -181,17 +191,14 @@ async def test_a_hit_goes_out_without_waiting_for_the_step_in_flight(engine) -> 
     question = "What is the capital of France?"
     plain, _ = await converse(engine, [("say", question)], speculate=False)
     worker = DialogWorker(engine, speculation=SpeculationConfig(draft_tokens=6))
-    task = asyncio.create_task(worker.run())
-    try:
+    async with running(worker):
         client, other = Client(), Client()
         seen: list[tuple[int, int]] = []  # (engine steps, texts) at each report
         client.on_reply = lambda reply, texts, done: (  # type: ignore[method-assign]
             seen.append((engine.stats["steps"], len(texts))),
             done and client.done.set(),
         )
-        sid, busy_sid = await worker.open(client), await worker.open(other)
-        worker.submit(sid, AppendUserText(question, 1))
-        await settle(worker, drafts=False)  # (the conversation drafts once the LLM has the words)
+        sid, busy_sid = await asked(worker, client, question), await worker.open(other)
         worker.submit(sid, DraftReply("", 1))
         await settle(worker)  # the draft is parked with its 6 tokens
         # Another conversation's long turn: prefill steps one after another (64 tokens each).
@@ -209,9 +216,6 @@ async def test_a_hit_goes_out_without_waiting_for_the_step_in_flight(engine) -> 
         worker.close(sid)
         worker.close(busy_sid)
         await settle(worker)
-    finally:
-        task.cancel()
-        worker.close_worker()
 
 
 async def test_a_head_start_runs_a_draft_beside_a_recognizer_pass_up_to_its_first_tokens(engine) -> None:
@@ -224,12 +228,8 @@ async def test_a_head_start_runs_a_draft_beside_a_recognizer_pass_up_to_its_firs
         yield_to=lambda: asr_busy or tts_busy,
         head_start=lambda: not tts_busy,
     )
-    task = asyncio.create_task(worker.run())
-    try:
-        client = Client()
-        sid = await worker.open(client)
-        worker.submit(sid, AppendUserText("What is the capital of France?", 1))
-        await settle(worker, drafts=False)
+    async with running(worker):
+        sid = await asked(worker, Client())
         worker.submit(sid, DraftReply(" Really?", 1))
         steps = engine.stats["steps"]
         await asyncio.sleep(0.3)
@@ -247,6 +247,3 @@ async def test_a_head_start_runs_a_draft_beside_a_recognizer_pass_up_to_its_firs
         assert len(engine.reply_tokens(draft.sid)) == 6
         worker.close(sid)
         await settle(worker)
-    finally:
-        task.cancel()
-        worker.close_worker()

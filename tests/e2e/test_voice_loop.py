@@ -13,6 +13,7 @@ from duplexd.clients.converse import ConversationResult, converse_pcm
 pytestmark = pytest.mark.slow
 
 STORYTELLER = sc.storyteller(max_reply_tokens=120, speed=0.5)
+SHORT_STORY = sc.storyteller(max_reply_tokens=40, speed=0.5)  # ~12 s of speech: a backchannel fits in
 
 
 def kinds(result: ConversationResult) -> list[str]:
@@ -120,12 +121,12 @@ async def test_talking_over_the_reply_interrupts_it(make_server, clip_by_name) -
     assert said.strip() == heard.strip()
     next_user = after.partition("<|im_start|>user\n")[2].partition("<|im_end|>")[0]
     assert normalize(next_user) == normalize(turn2), context
-    # The talk-over became the user's next turn.
-    assert any("canoe" in r.event["text"].lower() for r in result.of_type("transcript.partial"))
+    # The talk-over became the user's next turn (above), and that turn was answered.
+    assert any(r.event["reply"] == 2 for r in result.of_type("reply.started"))
 
 
 async def test_a_backchannel_does_not_interrupt(make_server, clip_by_name) -> None:
-    srv = await make_server(STORYTELLER)
+    srv = await make_server(SHORT_STORY)
     question = np.concatenate([sc.silence(0.5), sc.load(clip_by_name["clip22_deepspeech_new_home.wav"].path)])
     speech_dir = clip_by_name["clip22_deepspeech_new_home.wav"].path.parent
     okay = sc.During(sc.backchannel(speech_dir), after_s=0.5)
