@@ -174,7 +174,7 @@ class _Session:
     cuts: deque[int] = field(default_factory=deque)  # lengths of the pieces queued in `pending`, in order
     key: int = 0  # hash of every chunk ingested so far (and every cut-back), in order
     decode_limit: int | None = None  # a draft stops (is parked) after this many reply tokens
-    reply_cap: int = 0  # a reply ends after this many tokens (set at `open`; 0: the engine's max_reply_tokens)
+    reply_cap: int = 0  # a reply ends after this many tokens (given at `open`, copied by `fork`)
     user_open: bool = False
     replying: bool = False
     reply: list[int] = field(default_factory=list)
@@ -261,8 +261,13 @@ class DialogEngine:
         `max_reply_tokens`: this conversation's reply limit (a server's own, when servers share an engine);
         None: the engine's."""
         slot = self.pool.allocate()
-        session = _Session(next(self._ids), slot, WindowState(self.config.window), priority)
-        session.reply_cap = max_reply_tokens or self.config.max_reply_tokens
+        session = _Session(
+            next(self._ids),
+            slot,
+            WindowState(self.config.window),
+            priority,
+            reply_cap=max_reply_tokens or self.config.max_reply_tokens,
+        )
         system = (
             self.format.system
             if system_prompt is None
@@ -603,7 +608,7 @@ class DialogEngine:
             return None
         session.reply.append(token)
         _queue(session, [token])
-        if len(session.reply) >= (session.reply_cap or self.config.max_reply_tokens):
+        if len(session.reply) >= session.reply_cap:
             self._finish_reply(session)
         return token
 

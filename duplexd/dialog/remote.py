@@ -275,7 +275,7 @@ class _Conversation:
     system: str
     priority: Priority
     decode_limit: int | None = None
-    reply_cap: int = 0  # a reply ends after this many pieces (set at `open`)
+    reply_cap: int = 0  # a reply ends after this many pieces (given at `open`, copied by `fork`)
     history: deque[tuple[str, str]] = field(default_factory=deque)  # finished (role, text) turns, alternating
     user_text: str = ""
     user_open: bool = False
@@ -331,8 +331,9 @@ class RemoteDialogEngine:
         conversation's reply limit, in pieces (None: `max_reply_tokens` of the configuration)."""
         self.pool.allocate()
         system = self.config.system_prompt if system_prompt is None else system_prompt
-        conv = _Conversation(next(self._ids), system, priority)
-        conv.reply_cap = max_reply_tokens or self.config.max_reply_tokens
+        conv = _Conversation(
+            next(self._ids), system, priority, reply_cap=max_reply_tokens or self.config.max_reply_tokens
+        )
         self._sessions[conv.id] = conv
         return conv.id
 

@@ -116,7 +116,7 @@ class _Entry:
     p_version: int = -1  # the version whose P(end of turn) was reported
     drafts_made: int = 0  # for the turn in progress
     drafts_shown: set[int] = field(default_factory=set)  # drafts whose text went to `on_draft`
-    key: int | None = None  # the engine's state_key for it, as of the last time commands were applied
+    key: int | None = None  # the engine's state_key for it while not replying, as of the last dispatch
     early: tuple[int, int] | None = None  # (reply, tokens) handed to the client before the reply started
 
 
@@ -221,8 +221,7 @@ class DialogWorker:
             return
         entry.early = (reply, len(tokens))
         self.stats.early += 1
-        tok = self.engine.tokenizer
-        entry.client.on_reply(reply, [tok.decode(tokens[:k]) for k in range(1, len(tokens) + 1)], False)
+        entry.client.on_reply(reply, self._texts(tokens), False)
 
     def close(self, sid: int) -> None:
         self._queue(_Close(sid))
@@ -239,7 +238,7 @@ class DialogWorker:
                     except Exception as exc:  # PoolFull, or a broken engine
                         done.set_exception(exc)
                         continue
-                    self._entries[sid] = _Entry(client, key=engine.state_key(sid))
+                    self._entries[sid] = _Entry(client)
                     done.set_result(sid)
                 case _Close(sid=sid):
                     if self._entries.pop(sid, None) is not None:
@@ -249,7 +248,6 @@ class DialogWorker:
                     entry = self._entries.get(sid)
                     if entry is not None:
                         self._command(sid, entry, command)
-                        entry.key = engine.state_key(sid) if entry.reply is None else None
 
     def _open_session(self, system_prompt: str | None) -> int:
         while True:
@@ -347,6 +345,11 @@ class DialogWorker:
             self.stats.behind += 1
         self._drop(behind)
 
+    def _texts(self, tokens: list[int], start: int = 0) -> list[str]:
+        """`texts[i]`: the reply decoded through its token `start + i` (what clients are handed)."""
+        decode = self.engine.tokenizer.decode
+        return [decode(tokens[:k]) for k in range(start + 1, len(tokens) + 1)]
+
     def _drop(self, drafts: list[Draft]) -> None:
         for d in drafts:
             self._draft_tokens.pop(d.sid, None)
@@ -356,8 +359,10 @@ class DialogWorker:
             self.engine.close(d.sid)
 
     def _dispatch(self) -> None:
-        engine, tok = self.engine, self.engine.tokenizer
+        engine = self.engine
         for sid, entry in self._entries.items():
+            # (before any callback: a client may end its turn from one, and `_early_reply` reads this)
+            entry.key = engine.state_key(sid) if entry.reply is None else None
             if entry.reply is None:
                 self._drop_behind(sid)
             drafts = self._pool.drafts(sid)
@@ -368,17 +373,16 @@ class DialogWorker:
                 ready = len(tokens) >= min(_DRAFT_SHOWN_AT, self.speculation.draft_tokens) or engine.parked(d.sid)
                 if d.sid not in entry.drafts_shown and tokens and ready:
                     entry.drafts_shown.add(d.sid)
-                    entry.client.on_draft([tok.decode(tokens[:k]) for k in range(1, len(tokens) + 1)])
+                    entry.client.on_draft(self._texts(tokens))
             if entry.reply is not None:
                 tokens = engine.reply_tokens(sid)
                 done = not engine.replying(sid)
                 if len(tokens) > entry.reported or done:
-                    texts = [tok.decode(tokens[:k]) for k in range(entry.reported + 1, len(tokens) + 1)]
+                    texts = self._texts(tokens, entry.reported)
                     entry.reported = len(tokens)
                     reply = entry.reply
                     if done:
                         entry.reply = None
-                        entry.key = engine.state_key(sid)
                     entry.client.on_reply(reply, texts, done)
             if entry.p_version != entry.version:
                 p = engine.p_end_of_turn(sid)
