@@ -343,6 +343,12 @@ class AdmissionConfig:
     """Seconds with every lag under target before the limit rises again (a session's load shows once it
     speaks and is answered)."""
     beta: float = 0.7
+    confirm_s: float = 2.0
+    """Seconds a signal must stay over target before a cut: one noisy period (a compile, another process on
+    the machine) is not an overload. Rounded up to whole periods."""
+    recover_s: float = 30.0
+    """A limit not in use (fewer sessions than it allows, or none) with every signal under target climbs
+    back to its start at a steady rate, the whole way from one session in this many seconds."""
     retry_after_ms: int = 2000
     """Told to refused clients (the `error` message and `/readyz`)."""
 
@@ -355,6 +361,8 @@ class AdmissionConfig:
         _require(self.increase > 0, "admission.increase", self.increase, "> 0")
         _require(self.settle_s >= 0, "admission.settle_s", self.settle_s, ">= 0")
         _require(0 < self.beta < 1, "admission.beta", self.beta, "in (0, 1)")
+        _require(self.confirm_s >= 0, "admission.confirm_s", self.confirm_s, ">= 0")
+        _require(self.recover_s > 0, "admission.recover_s", self.recover_s, "> 0")
         _require(self.retry_after_ms >= 0, "admission.retry_after_ms", self.retry_after_ms, ">= 0")
 
 

@@ -140,6 +140,8 @@ class Server:
                 increase=a.increase,
                 beta=a.beta,
                 settle_periods=max(1, math.ceil(a.settle_s / a.period_s)),
+                confirm_periods=max(1, math.ceil(a.confirm_s / a.period_s - 1e-9)),
+                recover_s=a.recover_s,
             ),
             capacity,
         )
@@ -344,7 +346,10 @@ class Server:
             await asyncio.sleep(a.period_s)
             signals = self._signals()
             if a.enabled:
-                decision = self.admission.update(signals, active=len(self.sessions))
+                was = self.admission.sessions
+                decision = self.admission.update(signals, active=len(self.sessions), now=time.monotonic())
+                if decision.changed == "recover" and self.admission.sessions > was:
+                    log.debug("admission: limit %d (recovering while not in use)", self.admission.sessions)
                 if decision.changed == "decrease":
                     log.info(
                         "admission: limit %.1f (over target: %s)",

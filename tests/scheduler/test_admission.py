@@ -23,7 +23,7 @@ def run(controller: Aimd, capacity_at, periods: int, offered: int) -> list[tuple
     for t in range(periods):
         while active < offered and controller.admit(active):
             active += 1
-        controller.update({"frame_lag_ms": plant_p99(active, capacity_at(t))}, active)
+        controller.update({"frame_lag_ms": plant_p99(active, capacity_at(t))}, active, now=float(t))
         trace.append((active, controller.limit))
         active -= max(1, active // 10)  # churn
     return trace
@@ -54,18 +54,18 @@ def test_follows_a_capacity_drop() -> None:
 
 def test_an_idle_server_does_not_raise_its_limit() -> None:
     controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS}, initial=4), capacity=64)
-    for _ in range(50):
-        assert controller.update({"frame_lag_ms": 20.0}, active=1).changed == "hold"
-        assert controller.update({"frame_lag_ms": None}, active=4).changed == "hold"  # no samples: no news
+    for t in range(50):
+        assert controller.update({"frame_lag_ms": 20.0}, active=1, now=2.0 * t).changed == "hold"
+        assert controller.update({"frame_lag_ms": None}, active=4, now=2.0 * t + 1).changed == "hold"  # no news
     assert controller.limit == 4
 
 
 def test_any_signal_over_target_cuts_the_limit() -> None:
     controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS, "asr_lag_s": 2.0}, initial=10), capacity=64)
-    decision = controller.update({"frame_lag_ms": 30.0, "asr_lag_s": 3.5}, active=10)
+    decision = controller.update({"frame_lag_ms": 30.0, "asr_lag_s": 3.5}, active=10, now=0.0)
     assert decision.changed == "decrease" and decision.over == ("asr_lag_s",) and controller.limit == pytest.approx(7)
-    for _ in range(20):
-        controller.update({"frame_lag_ms": 900.0}, active=1)
+    for t in range(1, 21):
+        controller.update({"frame_lag_ms": 900.0}, active=1, now=float(t))
     assert controller.limit == 1.0 and controller.admit(0) and not controller.admit(1)  # the floor
 
 
@@ -80,12 +80,12 @@ def test_a_limit_already_below_the_active_sessions_is_not_cut_again() -> None:
     """Admitted sessions stay, so an overload outlasts the cut that answered it: the limit drops once to
     beta x the sessions that caused it, then waits for sessions to leave instead of sinking to the floor."""
     controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS}), capacity=16)  # starts at the hard capacity
-    assert controller.update({"frame_lag_ms": 900.0}, active=4).changed == "decrease"
+    assert controller.update({"frame_lag_ms": 900.0}, active=4, now=0.0).changed == "decrease"
     assert controller.limit == pytest.approx(2.8)  # 0.7 x the 4 sessions present, not 0.7 x 16
-    for _ in range(10):
-        assert controller.update({"frame_lag_ms": 900.0}, active=4).changed == "hold"
+    for t in range(1, 11):
+        assert controller.update({"frame_lag_ms": 900.0}, active=4, now=float(t)).changed == "hold"
     assert controller.limit == pytest.approx(2.8) and not controller.admit(3)
-    assert controller.update({"frame_lag_ms": 900.0}, active=2).changed == "decrease"  # in force again: cut
+    assert controller.update({"frame_lag_ms": 900.0}, active=2, now=11.0).changed == "decrease"  # in force: cut
     assert controller.limit == pytest.approx(1.4)
 
 
@@ -94,11 +94,57 @@ def test_the_limit_rises_only_after_settle_periods_of_quiet() -> None:
     spare capacity. With settle_periods=5 the limit rises once per 5 quiet periods, and any period over
     target starts the count again."""
     controller = Aimd(AimdConfig({"reply_lag_s": 0.65}, initial=2, settle_periods=5), capacity=16)
-    changes = [controller.update({"reply_lag_s": 0.3}, active=2).changed for _ in range(10)]
+    changes = [controller.update({"reply_lag_s": 0.3}, active=2, now=float(t)).changed for t in range(10)]
     assert changes == ["hold"] * 4 + ["increase"] + ["hold"] * 5  # (after it, the limit 3 is not in use)
     controller = Aimd(AimdConfig({"reply_lag_s": 0.65}, initial=2, settle_periods=5), capacity=16)
-    for _ in range(4):
-        controller.update({"reply_lag_s": 0.3}, active=2)
-    assert controller.update({"reply_lag_s": 0.9}, active=3).changed == "hold"  # over, but already refusing
-    assert [controller.update({"reply_lag_s": 0.3}, active=2).changed for _ in range(5)][-1] == "increase"
+    for t in range(4):
+        controller.update({"reply_lag_s": 0.3}, active=2, now=float(t))
+    assert controller.update({"reply_lag_s": 0.9}, active=3, now=4.0).changed == "hold"  # over, already refusing
+    changes = [controller.update({"reply_lag_s": 0.3}, active=2, now=float(t)).changed for t in range(5, 10)]
+    assert changes[-1] == "increase"
     assert controller.limit == 3
+
+
+def test_a_limit_not_in_use_recovers_toward_its_start_with_time() -> None:
+    """A cut left by a past spike must not outlive it: with nobody (or fewer than the limit) connected and
+    nothing over target, the limit climbs back to `initial`, the whole way from the floor in `recover_s`."""
+    controller = Aimd(AimdConfig({"asr_lag_s": 3.0}, initial=16, recover_s=30.0), capacity=16)
+    assert controller.update({"asr_lag_s": 9.0}, active=1, now=0.0).changed == "decrease"
+    assert controller.limit == 1.0 and not controller.admit(1)
+    limits = [controller.update({"asr_lag_s": None}, active=0, now=1.0).limit]  # everyone left: no samples
+    for t in range(2, 40):
+        decision = controller.update({"asr_lag_s": None}, active=0, now=float(t))
+        limits.append(controller.limit)
+    assert decision.changed == "hold" and controller.limit == 16.0  # back at the start, and no further
+    assert limits == sorted(limits) and limits[0] == pytest.approx(1.5)  # steady: 0.5 sessions/s
+    assert limits.index(16.0) == 29  # t = 30: 30 s after the cut
+
+
+def test_a_lightly_used_limit_recovers_but_not_while_a_signal_is_over() -> None:
+    controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS}, initial=8, recover_s=7.0), capacity=8)
+    controller.update({"frame_lag_ms": 900.0}, active=4, now=0.0)
+    assert controller.limit == pytest.approx(2.8)
+    # One user left (the limit of 2 is not in use) and lag is under target: 1 session/s back toward 8.
+    assert controller.update({"frame_lag_ms": 30.0}, active=1, now=1.0).changed == "recover"
+    assert controller.limit == pytest.approx(3.8)
+    assert controller.update({"frame_lag_ms": 500.0}, active=1, now=2.0).changed == "decrease"
+    assert controller.limit == 1.0  # over target with the limit in force: cut, not recovered
+    assert controller.update({"frame_lag_ms": 30.0}, active=0, now=3.0).limit == pytest.approx(2.0)
+
+
+def test_a_cut_needs_the_overload_to_persist() -> None:
+    """With confirm_periods=2, one period over target (a compile, another process) is noise; two in a row
+    are an overload, and a quiet period between them starts the count again."""
+    controller = Aimd(AimdConfig({"frame_lag_ms": TARGET_MS}, initial=8, confirm_periods=2), capacity=8)
+    changes = []
+    for t, lag in enumerate([900.0, 30.0, 900.0, 30.0, 900.0, 900.0]):
+        changes.append(controller.update({"frame_lag_ms": lag}, active=8, now=float(t)).changed)
+    assert changes == ["hold", "hold", "hold", "hold", "hold", "decrease"]
+    assert controller.limit == pytest.approx(5.6)
+
+
+def test_recovery_settings_are_validated() -> None:
+    with pytest.raises(ValueError):
+        AimdConfig({"frame_lag_ms": 200.0}, confirm_periods=0)
+    with pytest.raises(ValueError):
+        AimdConfig({"frame_lag_ms": 200.0}, recover_s=0.0)

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 from wire import START, expect_close, get, recv_json
 
-from duplexd.config import AdmissionConfig, ServerConfig
+from duplexd.config import AdmissionConfig, ServerConfig, TransportConfig
 from duplexd.transport.protocol import encode_audio_frame
 
 pytestmark = pytest.mark.slow
@@ -96,3 +96,38 @@ async def test_simultaneous_handshakes_cannot_both_take_the_last_place(make_serv
         first = await asyncio.gather(recv_json(a), recv_json(b))
         assert sorted(e["type"] for e in first) == ["error", "session.started"], first
         assert len(srv.server.sessions) == 1
+
+
+async def test_after_a_burst_an_idle_server_climbs_back_to_its_start_limit(make_server) -> None:
+    """A burst that overloads the server cuts its limit; once everyone has left, the limit must not stay
+    cut (it did: `/readyz` said `limit: 2` long after, and later users were refused a server with nobody on
+    it). Targets so low that any streamed audio is over them, and short periods, make the burst here."""
+    admission = AdmissionConfig(period_s=0.2, frame_deadline_ms=1e-6, confirm_s=0.4, recover_s=2.0)
+    srv = await make_server(ServerConfig(admission=admission, transport=TransportConfig(max_sessions=4)))
+    status, _, body = await asyncio.to_thread(get, srv.http + "/readyz")
+    assert status == 200 and json.loads(body)["limit"] == 4
+    streams = [await connect(srv.url) for _ in range(3)]
+    for ws in streams:
+        await ws.send(START)
+        assert (await recv_json(ws))["type"] == "session.started"
+    seq = 0
+    while srv.server.admission.sessions == 4:  # the burst: every session streams until the limit is cut
+        seq += 1
+        for ws in streams:
+            await ws.send(encode_audio_frame(seq, SPEECH_20MS))
+        await asyncio.sleep(0.02)
+        assert seq < 500, "the limit was never cut"
+    status, _, body = await asyncio.to_thread(get, srv.http + "/readyz")
+    cut = json.loads(body)["limit"]
+    assert cut <= 2 and status == 503  # 0.7 x 3 sessions
+    for ws in streams:
+        await ws.close()
+    limits = []
+    for _ in range(100):  # idle: nobody connected, nothing measured
+        await asyncio.sleep(0.1)
+        status, _, body = await asyncio.to_thread(get, srv.http + "/readyz")
+        limits.append(json.loads(body)["limit"])
+        if limits[-1] == 4:
+            break
+    assert limits[-1] == 4 and status == 200, limits  # back at the start limit, in about recover_s
+    assert limits == sorted(limits)  # climbing steadily, never cut again while idle
