@@ -103,9 +103,12 @@ async def serve(config: ServerConfig) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from duplexd.asr.engine import resolve_asr_model
+
     try:
         overrides = {"transport": {"host": args.host, "port": args.port}, "dialog": {"enabled": args.dialog}}
         config = load_config(args.config, overrides=overrides)
+        resolve_asr_model(config.asr.model)  # a wrong path is a config error, before any model loads
     except (OSError, ValueError) as exc:
         log.error("bad configuration: %s", exc)
         return 2

