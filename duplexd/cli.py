@@ -15,6 +15,7 @@ from pathlib import Path
 
 from duplexd import __version__, logs
 from duplexd.config import ServerConfig, load_config
+from duplexd.errors import CliError, EngineError, UsageError
 
 log = logging.getLogger("duplexd")
 
@@ -189,28 +190,35 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def _cmd_stream(args: argparse.Namespace) -> int:
-    from duplexd.clients.stream import Received, stream_file
+    import soundfile as sf
+
+    from duplexd.clients.stream import Received, read_audio, render_event, stream_pcm
+
+    if not args.file.is_file():
+        raise UsageError(f"no audio file at {args.file}: give the path of a WAV or FLAC file")
+    try:
+        pcm, rate = read_audio(args.file)
+    except (sf.LibsndfileError, OSError) as exc:
+        reason = getattr(exc, "error_string", exc)
+        raise UsageError(f"cannot read {args.file} as audio ({reason}): give a WAV or FLAC file") from exc
+    tty = sys.stdout.isatty()
 
     def show(got: Received) -> None:
-        ev = got.event
-        if args.json:
-            print(json.dumps(ev), flush=True)
-        elif ev["type"] == "transcript.partial":
-            print(f"\r\x1b[2K… {ev['text']}", end="", flush=True)
-        elif ev["type"] == "transcript.final":
-            print(f"\r\x1b[2K{ev['text']}", flush=True)
-        elif ev["type"] == "error":
-            print(f"\nerror {ev['code']}: {ev['message']}", file=sys.stderr, flush=True)
+        line = render_event(got.event, json_lines=args.json, acks=args.acks, tty=tty)
+        if line is not None:
+            print(line.text, end=line.end, file=sys.stderr if line.stderr else sys.stdout, flush=True)
 
-    result = asyncio.run(stream_file(args.url, args.file, speed=args.speed, on_event=show))
+    result = asyncio.run(stream_pcm(args.url, pcm, rate, speed=args.speed, on_event=show))
     return 0 if result.close_code in (None, 1000) else 1
 
 
 def _cmd_loadtest(args: argparse.Namespace) -> int:
     from duplexd.clients import loadtest
+    from duplexd.clients.stream import check_server
 
     if args.sessions < 1 or args.duration <= 0:
-        raise SystemExit("--sessions must be >= 1 and --duration > 0")
+        raise UsageError("--sessions must be >= 1 and --duration > 0")
+    asyncio.run(check_server(args.url))  # a wrong --url fails here, not as N failed users in a report
     return loadtest.main(args)
 
 
@@ -356,11 +364,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help=f"require this bearer key (default ${_LLM_KEY_ENV}; empty: no key)")
     p.set_defaults(func=_cmd_serve_llm)
 
-    p = sub.add_parser("stream", help="stream an audio file to a server and print transcripts")
-    p.add_argument("file", type=Path)
-    p.add_argument("--url", default="ws://127.0.0.1:8000/v1/stream")
+    p = sub.add_parser(
+        "stream",
+        help="stream an audio file to a server and print transcripts",
+        description="Send an audio file to a running `duplexd serve` at real-time pace and print its transcript. "
+        "On a terminal the partial transcript is rewritten in place; into a pipe or a file only final "
+        "transcripts are printed, one per line.",
+    )
+    p.add_argument("file", type=Path, help="the audio to send: a WAV or FLAC file (stereo is mixed to mono)")
+    p.add_argument(
+        "--url",
+        default="ws://127.0.0.1:8000/v1/stream",
+        help="the server's stream endpoint, ws:// or wss:// (default %(default)s)",
+    )
     p.add_argument("--speed", type=float, default=1.0, help="times real time (default 1.0)")
-    p.add_argument("--json", action="store_true", help="print every server event as one JSON line")
+    p.add_argument("--json", action="store_true", help="print every server event as one JSON line (but frame.ack)")
+    p.add_argument("--acks", action="store_true", help="with --json, also the frame.ack sent for every audio frame")
     p.set_defaults(func=_cmd_stream)
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
@@ -466,4 +485,30 @@ def main(argv: list[str] | None = None) -> int:
         return relay.main(argv[1:])
     args = build_parser().parse_args(argv)
     logs.setup(verbose=args.verbose, json_lines=args.log_json)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        error = _cli_error(args, exc)
+        if error is None:
+            raise  # a bug: keep its traceback
+        print(f"duplexd: error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+def _cli_error(args: argparse.Namespace, exc: BaseException) -> CliError | None:
+    """`exc` as the one line a user reads: a `CliError` raised on purpose, a model that would not load, or
+    (for a command with --url) a failure to reach the server; None for anything else."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # raised inside a TaskGroup
+        exc = exc.exceptions[0]
+    if isinstance(exc, CliError):
+        return exc
+    if isinstance(exc, EngineError):
+        return CliError(f"model error: {exc}")
+    url = getattr(args, "url", None)
+    if isinstance(url, str):
+        from duplexd.clients.stream import connect_error
+
+        return connect_error(url, exc)
+    return None

@@ -58,3 +58,16 @@ class Overloaded(DuplexdError):
 
 class EngineError(DuplexdError):
     """A model engine failed; the message is for logs, never for clients."""
+
+
+class CliError(DuplexdError):
+    """A command cannot do what it was asked. `duplexd` prints the message as one line on stderr
+    (`duplexd: error: ...`) and exits with `exit_code`; the message says what is wrong and what to do."""
+
+    exit_code = 1
+
+
+class UsageError(CliError):
+    """The command line (an argument, a file it names) is wrong: exit 2, as for argparse's own errors."""
+
+    exit_code = 2

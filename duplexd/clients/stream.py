@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import numpy as np
 import soundfile as sf
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
+from duplexd.errors import CliError, UsageError
 from duplexd.transport.protocol import PROTOCOL_VERSION, encode_audio_frame
 
 FRAME_MS = 20
+STREAM_PATH = "/v1/stream"  # as duplexd.transport.server serves it (not imported: it loads the engine packages)
+DEFAULT_URL = f"ws://127.0.0.1:8000{STREAM_PATH}"
 
 
 def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
@@ -192,3 +197,77 @@ async def stream_file(
 ) -> StreamResult:
     pcm, rate = read_audio(path)
     return await stream_pcm(url, pcm, rate, speed=speed, on_event=on_event)
+
+
+async def check_server(url: str) -> None:
+    """Open and close one WebSocket connection to `url` (no session), so a command that would otherwise
+    start many users against a wrong URL fails at once; raises what `connect` raises."""
+    client = await StreamClient.connect(url)
+    await client.close()
+
+
+def connect_error(url: str, exc: BaseException) -> CliError | None:
+    """What went wrong talking to the stream endpoint at `url`, as one line that says what to do; None
+    when `exc` is not such a failure."""
+    if isinstance(exc, InvalidURI):
+        parts = urlsplit(url)
+        scheme = {"http": "ws", "https": "wss"}.get(parts.scheme)
+        fix = parts._replace(scheme=scheme).geturl() if scheme else f"ws://HOST:PORT{STREAM_PATH}"
+        return UsageError(f"--url {url} is not a WebSocket URL ({exc.msg}); use {fix}")
+    if isinstance(exc, InvalidStatus):
+        return CliError(
+            f"{url} answered HTTP {exc.response.status_code} instead of opening a WebSocket: it is not the stream "
+            f"endpoint; duplexd serves it at ws://HOST:PORT{STREAM_PATH}"
+        )
+    if isinstance(exc, InvalidHandshake):
+        return CliError(f"{url} is not a WebSocket server ({exc}); are the host and port those of `duplexd serve`?")
+    if isinstance(exc, SessionRefused):
+        error = exc.reply
+        retry = f"; retry in {error['retry_after_ms']} ms" if error.get("retry_after_ms") is not None else ""
+        return CliError(f"{url} refused the session: {error.get('code')}: {error.get('message')}{retry}")
+    if isinstance(exc, ConnectionClosed):
+        code = exc.rcvd.code if exc.rcvd is not None else None
+        reason = f" ({exc.rcvd.reason})" if exc.rcvd is not None and exc.rcvd.reason else ""
+        return CliError(f"the server at {url} closed the connection (code {code}){reason}")
+    if isinstance(exc, ConnectionRefusedError):
+        return CliError(
+            f"cannot connect to {url}: connection refused; start the server with `duplexd serve`, or pass "
+            "--url with the address it listens on"
+        )
+    if isinstance(exc, socket.gaierror):
+        return CliError(f"cannot connect to {url}: unknown host {urlsplit(url).hostname!r}; check --url")
+    if isinstance(exc, TimeoutError):
+        return CliError(f"cannot connect to {url}: timed out; check --url and that the server is reachable")
+    if isinstance(exc, OSError):
+        return CliError(f"cannot connect to {url}: {exc.strerror or exc}; check --url")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One piece of `duplexd stream` output."""
+
+    text: str
+    end: str = "\n"
+    stderr: bool = False
+
+
+_CLEAR = "\r\x1b[2K"  # back to the line's start and erase it: a partial is overwritten by the next one
+
+
+def render_event(event: dict[str, Any], *, json_lines: bool, acks: bool, tty: bool) -> Line | None:
+    """How `duplexd stream` shows one server event, or None to show nothing. On a terminal a partial
+    transcript is rewritten in place; elsewhere (a pipe, a file) only final transcripts are printed, one per
+    line, with no terminal escapes. With `json_lines` every event is one JSON line, except the `frame.ack`
+    sent for each audio frame unless `acks`."""
+    kind = event.get("type")
+    if json_lines:
+        return None if kind == "frame.ack" and not acks else Line(json.dumps(event))
+    if kind == "transcript.partial":
+        return Line(f"{_CLEAR}… {event['text']}", end="") if tty else None
+    if kind == "transcript.final":
+        return Line(f"{_CLEAR}{event['text']}" if tty else event["text"])
+    if kind == "error":
+        # On a terminal, start a new line: the unfinished partial on stdout would otherwise run into it.
+        return Line(f"{chr(10) if tty else ''}server error {event['code']}: {event['message']}", stderr=True)
+    return None
