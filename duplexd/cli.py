@@ -322,8 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="duplexd", description="Real-time streaming speech and duplex dialogue server"
     )
     parser.add_argument("--version", action="version", version=f"duplexd {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--log-json", action="store_true", help="structured logs: one JSON object per line")
+    _add_log_flags(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the server")
@@ -470,7 +469,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="list: print the model paths (default); pull: fetch the dialog LLM and convert it once",
     )
     p.set_defaults(func=_cmd_models)
+    for name, command in sub.choices.items():
+        if name != "relay":  # the relay parses its own options (see main)
+            _add_log_flags(command, default=argparse.SUPPRESS)
     return parser
+
+
+def _add_log_flags(parser: argparse.ArgumentParser, *, default: object) -> None:
+    """-v and --log-json, given before the command (`parser`, default False) or after it (each command's
+    parser, default SUPPRESS: not given there leaves the value from before the command)."""
+    parser.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging")
+    parser.add_argument(
+        "--log-json", action="store_true", default=default, help="structured logs: one JSON object per line"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
