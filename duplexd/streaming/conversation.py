@@ -518,6 +518,13 @@ class Conversation:
             return []
         return self._interrupt("cancel")
 
+    def end(self) -> list[Output]:
+        """The client's `session.end`: a reply in progress stops as interrupted (reason `session_end`), so
+        the client hears why it stopped instead of silence. Returns [] with no reply in progress."""
+        if self._reply is None:
+            return []
+        return self._interrupt("session_end")
+
     def set_turn_config(self, turn: TurnConfig) -> None:
         """New endpointing settings (a Realtime `session.update`), from the next decision on."""
         self._turn = turn

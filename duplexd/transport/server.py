@@ -1167,4 +1167,6 @@ class _Connection:
         session.end_of_stream()
         await self.server.asr.drained(session)
         self.emit(session.finish_without_pass())
+        if self.conversation is not None:
+            self._dispatch(self.conversation.end())
         self.send({"type": ServerType.SESSION_ENDED, "session_id": session.id})

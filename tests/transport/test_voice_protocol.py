@@ -73,3 +73,43 @@ async def test_transcription_only_sessions_get_no_turns(make_server, clip_by_nam
     kinds = {r.event["type"] for r in result.events}
     assert "transcript.final" in kinds and result.events[0].event["dialog"] is False
     assert not kinds & {"turn.ended", "reply.started", "reply.delta", "reply.done"}
+
+
+async def test_session_end_during_a_reply_ends_the_reply_first(make_server, clip_by_name) -> None:
+    """`session.end` while the server is answering: the reply ends with `reply.interrupted` (reason
+    `session_end`) before `session.ended`, never in silence."""
+    srv = await make_server()
+    audio = np.concatenate([sc.silence(0.3), sc.load(clip_by_name["clip14_sb_spk2_snt2.wav"].path), sc.silence(3)])
+    pcm = audio.astype("<i2").tobytes()
+    async with connect(srv.url) as ws:
+        await ws.send(json.dumps({"type": "session.start", "version": 1, "sample_rate": sc.RATE}))
+        await _next_of(ws, "session.started")
+        events: list[dict] = []
+
+        async def read_until_reply() -> None:
+            while True:
+                msg = await ws.recv()
+                if isinstance(msg, str):
+                    events.append(json.loads(msg))
+                    if events[-1]["type"] == "reply.started":
+                        return
+
+        reading = asyncio.create_task(read_until_reply())
+        frame = 320 * 2
+        for seq, at in enumerate(range(0, len(pcm), frame), start=1):
+            if reading.done():
+                break
+            await ws.send(encode_audio_frame(seq, pcm[at : at + frame]))
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(reading, 30)
+        reply = events[-1]["reply"]
+        await ws.send(json.dumps({"type": "session.end"}))
+        tail = []
+        while not tail or tail[-1]["type"] != "session.ended":
+            msg = await asyncio.wait_for(ws.recv(), 30)
+            if isinstance(msg, str):
+                tail.append(json.loads(msg))
+    ends = [e for e in tail if e["type"] in ("reply.interrupted", "reply.done") and e["reply"] == reply]
+    assert len(ends) == 1, [e["type"] for e in tail]
+    if ends[0]["type"] == "reply.interrupted":
+        assert ends[0]["reason"] == "session_end"
