@@ -90,21 +90,32 @@ def test_stream_command_prints_transcripts(clip_by_name) -> None:
         _wait_healthy(proc, port)
         clip = clip_by_name["clip02_libri_1272-128104-0000.wav"]
         url = f"ws://127.0.0.1:{port}/v1/stream"
-        run = subprocess.run(
-            [sys.executable, "-m", "duplexd", "stream", str(clip.path), "--url", url, "--speed", "2", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        command = [sys.executable, "-m", "duplexd", "stream", str(clip.path), "--url", url, "--speed", "2"]
+        run = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=120)
+        plain = subprocess.run(command, capture_output=True, text=True, timeout=120)  # stdout is a pipe
+        command[command.index(url)] = f"ws://127.0.0.1:{port}/"  # the web page, not the stream endpoint
+        page = subprocess.run(command, capture_output=True, text=True, timeout=60)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
     assert run.returncode == 0, run.stderr
     events = [json.loads(line) for line in run.stdout.splitlines()]
     kinds = {e["type"] for e in events}
-    assert {"session.started", "frame.ack", "transcript.partial", "transcript.final", "session.ended"} <= kinds
+    assert {"session.started", "transcript.partial", "transcript.final", "session.ended"} <= kinds
+    assert "frame.ack" not in kinds  # one per 20 ms frame: only with --acks
     final = " ".join(e["text"] for e in events if e["type"] == "transcript.final").lower()
     assert "quilter" in final and "gospel" in final
+    # Into a pipe: the final transcripts, one per line, without the terminal's rewrite-in-place escapes.
+    assert plain.returncode == 0, plain.stderr
+    assert "\r" not in plain.stdout and "\x1b" not in plain.stdout
+    lines = plain.stdout.splitlines()
+    assert lines and all(lines)
+    assert "quilter" in plain.stdout.lower() and "gospel" in plain.stdout.lower()
+    assert page.returncode == 1 and "Traceback" not in page.stderr
+    assert page.stderr.splitlines() == [
+        f"duplexd: error: ws://127.0.0.1:{port}/ answered HTTP 200 instead of opening a WebSocket: it is not the "
+        "stream endpoint; duplexd serves it at ws://HOST:PORT/v1/stream"
+    ]
 
 
 def test_parser_knows_every_command() -> None:
