@@ -53,7 +53,8 @@ async def test_loadtest_measures_what_each_user_got(make_server, clips, tmp_path
 
 def test_cli_refuses_nonsense(tmp_path: Path) -> None:
     from duplexd.cli import _cmd_loadtest
+    from duplexd.errors import UsageError
 
     args = argparse.Namespace(url="ws://x", sessions=0, duration=10.0, ramp=False, clips=None, out=tmp_path / "x")
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--sessions must be >= 1"):  # main() prints it as one line, exit 2
         _cmd_loadtest(args)
