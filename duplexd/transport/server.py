@@ -247,7 +247,10 @@ class Server:
             ip = _peer_ip(connection, sec.proxies)
             if self.per_ip[ip] >= sec.max_connections_per_ip:
                 return _json_error(
-                    http.HTTPStatus.TOO_MANY_REQUESTS, "too_many_connections", "too many connections from this address"
+                    http.HTTPStatus.TOO_MANY_REQUESTS,
+                    "too_many_connections",
+                    "too many connections from this address",
+                    retry_after_ms=self.config.admission.retry_after_ms,
                 )
             return None  # go on with the WebSocket handshake
         if path == "/healthz":
@@ -501,10 +504,18 @@ def _peer_ip(connection: ServerConnection, proxies: frozenset[str] = frozenset()
     return peer
 
 
-def _json_error(status: http.HTTPStatus, code: str, message: str, *, auth: bool = False) -> Response:
-    response = _response(status, "application/json", json.dumps({"error": {"code": code, "message": message}}).encode())
+def _json_error(
+    status: http.HTTPStatus, code: str, message: str, *, auth: bool = False, retry_after_ms: int | None = None
+) -> Response:
+    """`retry_after_ms`: a refusal worth retrying says when (`Retry-After`, whole seconds, and in the body)."""
+    error: dict[str, Any] = {"code": code, "message": message}
+    if retry_after_ms is not None:
+        error["retry_after_ms"] = retry_after_ms
+    response = _response(status, "application/json", json.dumps({"error": error}).encode())
     if auth:
         response.headers["WWW-Authenticate"] = 'Bearer realm="duplexd"'
+    if retry_after_ms is not None:
+        response.headers["Retry-After"] = str(math.ceil(retry_after_ms / 1000))
     return response
 
 
