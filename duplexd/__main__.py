@@ -1,5 +1,5 @@
 from __future__ import annotations
 
-from duplexd.cli import main
+from duplexd.cli import run
 
-raise SystemExit(main())
+run()

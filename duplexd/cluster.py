@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from duplexd.bench.server import free_port, http_json
+from duplexd.bench.server import free_port, http_json, ready_health
 
 DEFAULT_CHECK_MS = 500
 SCRAPED = (
@@ -231,7 +231,7 @@ class Cluster:
             )
         deadline = time.monotonic() + self.timeout_s
         for w in self.workers:
-            self._wait(lambda w=w: http_json(f"http://{w.host}:{w.port}/healthz"), deadline, w.node)
+            self._wait(lambda w=w: ready_health(f"http://{w.host}:{w.port}/healthz"), deadline, w.node)
         self.config_path.write_text(self.config())
         check = subprocess.run([haproxy, "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True)
         if check.returncode != 0:

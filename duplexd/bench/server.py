@@ -27,8 +27,20 @@ def http_json(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
         return json.loads(r.read())
 
 
+class StillLoading(ConnectionError):
+    """The server answers, but is still loading its models (`/healthz` status `loading`)."""
+
+
+def ready_health(url: str) -> dict[str, Any]:
+    """`/healthz` of a server that has loaded its models; `StillLoading` (an OSError) while it loads."""
+    body = http_json(url)
+    if body.get("status") == "loading":
+        raise StillLoading(f"{url}: loading")
+    return body
+
+
 def health(port: int) -> dict[str, Any]:
-    return http_json(f"http://127.0.0.1:{port}/healthz")
+    return ready_health(f"http://127.0.0.1:{port}/healthz")
 
 
 @contextlib.contextmanager

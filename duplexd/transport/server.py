@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import socket
-import ssl
 import time
 import uuid
 from collections import Counter, deque
@@ -25,9 +24,7 @@ from importlib import resources
 from typing import Any
 
 import numpy as np
-from websockets.asyncio.server import Server as WsServer
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.datastructures import Headers
+from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.http11 import Request, Response
 
@@ -47,6 +44,8 @@ from duplexd.streaming.session import Session
 from duplexd.transport import protocol
 from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, DatagramEndpoint, new_key
 from duplexd.transport.limits import AudioRateLimit, authorized, origin_allowed
+from duplexd.transport.listener import Listener
+from duplexd.transport.listener import response as _response
 from duplexd.transport.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from duplexd.transport.metrics import Metrics
 from duplexd.transport.packetizer import Ack, Eloquent, Packet, SenderConfig
@@ -151,16 +150,8 @@ class Server:
         self.starting = 0  # admitted handshakes not yet registered (they count against the limit)
         self._period_lags: deque[float] = deque(maxlen=65536)  # frame lags (ms) of this control period
         self._period_reply_lag = 0.0
-        self._ws: WsServer | None = None
+        self._listener: Listener | None = None
         self._started = time.monotonic()
-
-    def _tls(self) -> ssl.SSLContext | None:
-        sec = self.config.security
-        if not sec.tls_cert:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(sec.tls_cert, sec.tls_key)
-        return context
 
     async def drain(self) -> None:
         """Stop admitting; let replies in progress finish (up to `drain_timeout_s`); then tell every client
@@ -180,11 +171,14 @@ class Server:
 
     @property
     def port(self) -> int:
-        assert self._ws is not None, "server not started"
-        return self._ws.sockets[0].getsockname()[1]
+        assert self._listener is not None, "server not started"
+        return self._listener.port
 
-    async def run(self, stop: asyncio.Event, *, ready: asyncio.Future[int] | None = None) -> None:
-        """Serve until `stop` is set, then close every connection and stop the workers."""
+    async def run(
+        self, stop: asyncio.Event, *, ready: asyncio.Future[int] | None = None, listener: Listener | None = None
+    ) -> None:
+        """Serve until `stop` is set, then close every connection and stop the workers. `listener`: the port
+        already open (`duplexd serve` opens it before the models load); else the server opens its own."""
         t = self.config.transport
         redact = logs.Redact(self.config.security.api_key)
         for name in logs.REDACTED_LOGGERS:  # (the key can arrive in a request line: `?token=...`)
@@ -200,23 +194,17 @@ class Server:
                 ]
                 if self.dialog is not None and self.tts is not None:
                     workers += [tg.create_task(self.dialog.run()), tg.create_task(self.tts.run())]
-                async with serve(
-                    self._handle,
-                    t.host,
-                    t.port,
-                    process_request=self._route,
-                    max_size=t.max_message_bytes,
-                    max_queue=16,
-                    server_header=f"duplexd/{__version__}",
-                    ssl=self._tls(),
-                ) as ws:
-                    self._ws = ws
+                if listener is None:
+                    listener = await Listener.open(t, self.config.security)
+                self._listener = listener
+                try:
+                    listener.attach(self._route, self._handle)
                     if ready is not None:
                         ready.set_result(self.port)
                     await stop.wait()
                     await self.drain()
-                    ws.close(close_connections=True)
-                    await ws.wait_closed()
+                finally:
+                    await listener.close()
                 for task in workers:
                     task.cancel()
         finally:
@@ -517,11 +505,6 @@ def _json_error(
     if retry_after_ms is not None:
         response.headers["Retry-After"] = str(math.ceil(retry_after_ms / 1000))
     return response
-
-
-def _response(status: http.HTTPStatus, content_type: str, body: bytes) -> Response:
-    headers = Headers({"Content-Type": content_type, "Content-Length": str(len(body)), "Cache-Control": "no-store"})
-    return Response(status.value, status.phrase, headers, body)
 
 
 class _Connection:
