@@ -180,11 +180,25 @@ class DialogConfig:
     """KV slots allocated up front: the most conversations the engine holds at once."""
     prefill_chunk: int = 64
     step_token_budget: int = 128
-    max_reply_tokens: int = 160
+    max_reply_tokens: int = 64
+    """A reply ends after this many tokens (~45 words; a backstop: `max_reply_sentences` ends it first in
+    `bench replies`, whose longest reply was 59 tokens)."""
+    max_reply_sentences: int = 2
+    """A reply ends once this many sentences (or lines) are complete, before the next one starts; 0: no limit.
+    A reply also ends, whatever this is, where it starts repeating an earlier sentence of itself or a word
+    3-gram would come a third time (`dialog/guard.py`; the remote backend too)."""
+    no_repeat_ngram_tokens: int = 3
+    """The local engine never picks a token that repeats an n-gram of this many tokens of the reply; 0: off."""
+    no_copy_ngram_tokens: int = 3
+    """The local engine never picks a token that copies an n-gram of this many tokens of the user's turn it
+    answers (small models echo what they hear); 0: off."""
     system_prompt: str = (
-        "You are a friendly voice assistant. Your replies are spoken aloud, so answer in one or two short, "
-        "plain sentences without lists or markdown."
+        "You are a friendly voice assistant in a spoken conversation. Reply in one or two short, plain "
+        "sentences. Do not repeat what the user said: answer it, or react to it with a short comment or question."
     )
+    """Chosen with `duplexd bench replies` (docs/benchmarks.md, "Replies"): with the guard on, SmolLM2 echoed
+    22 % of the turns under the former prompt ("...answer in one or two short, plain sentences without lists
+    or markdown."), 10 % under this one."""
     threads: int = 0
     backend: str = "local"
     """`local`: the in-process engine above. `remote`: replies stream from an OpenAI-compatible
@@ -224,6 +238,10 @@ class DialogConfig:
         )
         _require(self.step_token_budget >= 1, "dialog.step_token_budget", self.step_token_budget, ">= 1")
         _require(self.max_reply_tokens >= 1, "dialog.max_reply_tokens", self.max_reply_tokens, ">= 1")
+        _require(self.max_reply_sentences >= 0, "dialog.max_reply_sentences", self.max_reply_sentences, ">= 0")
+        for name in ("no_repeat_ngram_tokens", "no_copy_ngram_tokens"):
+            n = getattr(self, name)
+            _require(n == 0 or n >= 2, f"dialog.{name}", n, "0 (off) or >= 2")
         _require(self.threads >= 0, "dialog.threads", self.threads, ">= 0")
 
 

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from duplexd.config import DialogConfig
 from duplexd.dialog.gguf_weights import ChatTokenizer
+from duplexd.dialog.guard import banned_tokens, reply_end
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
 from duplexd.dialog.model import AttendFn, Segment, Transformer, apply_rope
 from duplexd.errors import EngineError
@@ -58,6 +59,7 @@ __all__ = [
 ]
 
 _DEFAULTS = DialogConfig()
+_TURN_TOKENS = 512  # of a user turn, kept for the guard's copy rule (its most recent words)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,12 @@ class EngineConfig:
     step_token_budget: int = _DEFAULTS.step_token_budget
     """Most tokens (decode + prefill) in one step; one prefill chunk always fits when nothing else does."""
     max_reply_tokens: int = _DEFAULTS.max_reply_tokens
+    max_reply_sentences: int = _DEFAULTS.max_reply_sentences
+    """A reply ends once this many sentences are complete (0: no limit); see `guard.reply_end`."""
+    no_repeat_ngram_tokens: int = _DEFAULTS.no_repeat_ngram_tokens
+    no_copy_ngram_tokens: int = _DEFAULTS.no_copy_ngram_tokens
+    """Reply tokens that would repeat an n-gram of the reply, or copy one of the user's turn, are never
+    picked (0: off); see `guard.banned_tokens`."""
     system_prompt: str = _DEFAULTS.system_prompt
     model: str = _DEFAULTS.model
     """`smollm2` (the embedded GGUF), a `.gguf` file, or a local Hugging Face Llama/Qwen2 folder."""
@@ -100,6 +108,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.step_token_budget must be >= 1, got {self.step_token_budget}")
         if self.max_reply_tokens < 1:
             raise ValueError(f"EngineConfig.max_reply_tokens must be >= 1, got {self.max_reply_tokens}")
+        if self.max_reply_sentences < 0:
+            raise ValueError(f"EngineConfig.max_reply_sentences must be >= 0, got {self.max_reply_sentences}")
+        for name in ("no_repeat_ngram_tokens", "no_copy_ngram_tokens"):
+            n = getattr(self, name)
+            if n != 0 and n < 2:
+                raise ValueError(f"EngineConfig.{name} must be 0 (off) or >= 2, got {n}")
         if self.kv_budget_tokens < 0:
             raise ValueError(f"EngineConfig.kv_budget_tokens must be >= 0, got {self.kv_budget_tokens}")
         if self.dtype not in _DTYPES:
@@ -113,6 +127,9 @@ class EngineConfig:
             prefill_chunk=config.prefill_chunk,
             step_token_budget=config.step_token_budget,
             max_reply_tokens=config.max_reply_tokens,
+            max_reply_sentences=config.max_reply_sentences,
+            no_repeat_ngram_tokens=config.no_repeat_ngram_tokens,
+            no_copy_ngram_tokens=config.no_copy_ngram_tokens,
             system_prompt=config.system_prompt,
             model=config.model,
             dtype=config.dtype,
@@ -176,6 +193,8 @@ class _Session:
     decode_limit: int | None = None  # a draft stops (is parked) after this many reply tokens
     reply_cap: int = 0  # a reply ends after this many tokens (given at `open`, copied by `fork`)
     user_open: bool = False
+    user_words: deque[int] = field(default_factory=lambda: deque(maxlen=_TURN_TOKENS))  # the open user turn's
+    answering: tuple[int, ...] = ()  # the user's words the reply answers (the guard's copy rule)
     replying: bool = False
     reply: list[int] = field(default_factory=list)
     reply_start: int = 0  # token index of the first reply token
@@ -299,6 +318,8 @@ class DialogEngine:
             key=parent.key,
             decode_limit=decode_limit,
             user_open=parent.user_open,
+            user_words=deque(parent.user_words, maxlen=_TURN_TOKENS),
+            answering=parent.answering,
             replying=parent.replying,
             reply=list(parent.reply),
             reply_start=parent.reply_start,
@@ -400,8 +421,12 @@ class DialogEngine:
             return
         ids = self.tokenizer.encode(text)
         if not session.user_open:
+            session.user_words.clear()
+            session.user_words.extend(ids)
             ids = self.tokenizer.encode(self.format.user_open) + ids
             session.user_open = True
+        else:
+            session.user_words.extend(ids)
         _queue(session, ids)
         session.p_end_of_turn = None
 
@@ -418,6 +443,8 @@ class DialogEngine:
         if not session.user_open:
             _queue(session, self.tokenizer.encode(self.format.user_open))
         _queue(session, self.tokenizer.encode(self.format.user_close))
+        session.answering = tuple(session.user_words) if session.user_open else ()
+        session.user_words.clear()
         session.user_open = False
         session.replying = True
         session.reply = []
@@ -602,15 +629,31 @@ class DialogEngine:
             if session.user_open:
                 session.p_end_of_turn = float(torch.softmax(logits.float(), -1)[self.format.end_of_turn_id])
             return None
-        token = int(logits.argmax())
+        token = self._choose(session, logits)
         if token in (self.format.end_of_turn_id, self.tokenizer.eos_id):
+            self._finish_reply(session)
+            return None
+        before = self.tokenizer.decode(session.reply)
+        keep = reply_end(before, self.tokenizer.decode([*session.reply, token]), self.config.max_reply_sentences)
+        if keep is not None and keep <= len(before):  # (the reply is over before this token)
             self._finish_reply(session)
             return None
         session.reply.append(token)
         _queue(session, [token])
-        if len(session.reply) >= session.reply_cap:
+        if keep is not None or len(session.reply) >= session.reply_cap:
             self._finish_reply(session)
         return token
+
+    def _choose(self, session: _Session, logits: Tensor) -> int:
+        """The reply's next token: greedy, among those the repetition guard allows. This is the one place a
+        reply or draft token is picked; it reads nothing but the conversation's own tokens."""
+        banned = banned_tokens(
+            session.reply, session.answering, self.config.no_repeat_ngram_tokens, self.config.no_copy_ngram_tokens
+        )
+        banned.difference_update((self.format.end_of_turn_id, self.tokenizer.eos_id))  # (ending is always allowed)
+        if banned:
+            logits = logits.index_fill(0, torch.tensor(sorted(banned), dtype=torch.long), float("-inf"))
+        return int(logits.argmax())
 
     def _finish_reply(self, session: _Session) -> None:
         session.replying = False

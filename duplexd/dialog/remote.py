@@ -21,6 +21,9 @@ What it cannot do, by construction:
   reply (same messages, greedy: it is what the real request would return, as far as the remote server is
   deterministic), and a dropped draft's request is cancelled. The endpointer's long wait is its head
   start. A draft's `decode_limit` only holds its pieces back; the stream runs on.
+- The repetition guard's token rule needs the logits, which the server keeps: only its text rules apply
+  here (`guard.reply_end` on each streamed piece: the sentence limit, and the end of a reply that starts
+  repeating itself, the request cancelled there). `duplexd serve-llm` applies the whole guard itself.
 - `interrupt` cancels the stream (the HTTP response is closed) and keeps the heard pieces as the assistant
   message; a reply that fails (unreachable server, HTTP error, timeout, a malformed stream) ends with what
   had arrived, logged, and the conversation goes on.
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 
 from duplexd.config import DialogConfig
 from duplexd.dialog.engine import Priority, UnknownSession
+from duplexd.dialog.guard import reply_end
 from duplexd.dialog.kv_window import PoolFull
 from duplexd.errors import EngineError
 
@@ -67,7 +71,10 @@ class RemoteConfig:
     model: str
     api_key: str = field(default="", repr=False)
     max_sessions: int = 16
-    max_reply_tokens: int = 160
+    max_reply_tokens: int = _DEFAULTS.max_reply_tokens
+    max_reply_sentences: int = _DEFAULTS.max_reply_sentences
+    """A reply ends once this many sentences are complete (0: no limit), or where it starts repeating
+    itself (`guard.reply_end`, on the streamed text: the server's sampling is its own)."""
     system_prompt: str = _DEFAULTS.system_prompt
     timeout_s: float = 30.0
     history_chars: int = 4000
@@ -81,6 +88,8 @@ class RemoteConfig:
         for name in ("max_sessions", "max_reply_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RemoteConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_reply_sentences < 0:
+            raise ValueError(f"RemoteConfig.max_reply_sentences must be >= 0, got {self.max_reply_sentences}")
         if self.timeout_s <= 0 or self.step_wait_s <= 0:
             raise ValueError(f"RemoteConfig timeouts must be > 0, got {self.timeout_s}, {self.step_wait_s}")
         if self.history_chars < 0:
@@ -94,6 +103,7 @@ class RemoteConfig:
             api_key=config.remote_api_key,
             max_sessions=config.max_sessions,
             max_reply_tokens=config.max_reply_tokens,
+            max_reply_sentences=config.max_reply_sentences,
             system_prompt=config.system_prompt,
             timeout_s=config.remote_timeout_s,
             history_chars=config.remote_history_chars,
@@ -488,11 +498,20 @@ class RemoteDialogEngine:
             self._end_reply(c)
             return []
         new: list[int] = []
+        ended = False
         while stream.pieces and not _at_limit(c) and len(c.reply) < c.reply_cap:
-            pid = self.tokenizer.add(stream.pieces.popleft())
-            c.reply.append(pid)
-            new.append(pid)
-        if len(c.reply) >= c.reply_cap:
+            piece = stream.pieces.popleft()
+            before = self.tokenizer.decode(c.reply)
+            keep = reply_end(before, before + piece, self.config.max_reply_sentences)
+            if keep is not None:  # (a piece is text: it can be cut where the reply ends)
+                piece, ended = piece[: max(keep - len(before), 0)], True
+            if piece:
+                pid = self.tokenizer.add(piece)
+                c.reply.append(pid)
+                new.append(pid)
+            if ended:
+                break
+        if ended or len(c.reply) >= c.reply_cap:
             self._cancel(c)
             self._end_reply(c)
         elif stream.done and not stream.pieces:

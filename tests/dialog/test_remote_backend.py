@@ -408,3 +408,23 @@ async def test_a_spoken_turn_drafts_an_early_request_and_adopts_it(engines, llm_
     fresh = RemoteDialogEngine(remote.config)
     assert done == await _reply(fresh, turn, SYSTEM)  # the adopted stream is the reply a fresh request gets
     assert server.dialog is not None and server.dialog.stats.hits == 1
+
+
+async def test_a_repeating_or_long_remote_reply_ends_there() -> None:
+    """The server's sampling is its own, so the guard's text rules apply to the streamed pieces: a reply
+    that starts a sentence over ends before the repeat (its request is cancelled), and one that goes on
+    past `max_reply_sentences` ends after that sentence, the piece that carries the next one cut."""
+    looping = [_delta("I'm glad you're happy"), _delta(" with me."), _delta(" I'm"), _delta(" glad"), _delta(" you're")]
+    looping += [_delta(" happy with me.")] * 40  # (never reached)
+    long = [_delta("Paris is the capital."), _delta(" It is old."), _delta(" It has"), _delta(" a river.")]
+    for events, sentences, expected in [
+        (looping, 0, "I'm glad you're happy with me. I'm glad"),
+        (looping, 2, "I'm glad you're happy with me. I'm glad"),
+        (long, 2, "Paris is the capital. It is old."),
+        (long, 1, "Paris is the capital."),
+        (long, 0, "Paris is the capital. It is old. It has a river."),
+    ]:
+        server, url = await _sse_server(lambda head, body, events=events: _chunked(*events, b"data: [DONE]\n\n"))
+        async with server:
+            assert await _reply(remote_engine(url, max_reply_sentences=sentences)) == expected
+    assert RemoteConfig(url="http://h/v1", model="m").max_reply_sentences == DialogConfig().max_reply_sentences
