@@ -272,6 +272,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from duplexd.bench import voice as bench_voice
 
         return bench_voice.main(args)
+    if args.what == "replies":
+        from duplexd.bench import replies as bench_replies
+
+        return bench_replies.main(args)
     if args.what == "speculation":
         from duplexd.bench import speculation as bench_speculation
 
@@ -426,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
             "llm",
             "voice",
             "speculation",
+            "replies",
             "capacity",
             "overload",
             "collapse",
