@@ -11,12 +11,15 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from duplexd.streaming.timeline import TurnTiming
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LAG_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _PASS_BUCKETS_S = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 _STEP_BUCKETS_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_TURN_BUCKETS_S = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
 class Metrics:
@@ -73,7 +76,43 @@ class Metrics:
         self.datagrams_dropped = Counter(
             "duplexd_datagrams_dropped", "Datagrams refused (not ours, bad MAC, replayed)", registry=r
         )
+        # A turn's latency as the user hears it, and its parts (observed when the reply's first audio is ready).
+        self.voice_to_voice = Histogram(
+            "duplexd_voice_to_voice_seconds",
+            "End of the user's speech to the reply's first audio",
+            buckets=_TURN_BUCKETS_S,
+            registry=r,
+        )
+        self.turn_detection = Histogram(
+            "duplexd_turn_detection_seconds",
+            "End of the user's speech to the end of the turn (endpointing)",
+            buckets=_TURN_BUCKETS_S,
+            registry=r,
+        )
+        self.first_token = Histogram(
+            "duplexd_first_token_seconds",
+            "End of the turn to the reply's first token",
+            buckets=_TURN_BUCKETS_S,
+            registry=r,
+        )
+        self.first_audio = Histogram(
+            "duplexd_first_audio_seconds",
+            "The reply's first token to its first audio ready to send (speech synthesis)",
+            buckets=_TURN_BUCKETS_S,
+            registry=r,
+        )
         self._mirrored: dict[str, float] = {}
+
+    def turn(self, timing: TurnTiming) -> None:
+        """A turn whose reply's first audio is ready: every part is known."""
+        self.turn_detection.observe(timing.turn_detection_s)
+        for histogram, value in (
+            (self.first_token, timing.first_token_s),
+            (self.first_audio, timing.first_audio_s),
+            (self.voice_to_voice, timing.voice_to_voice_s),
+        ):
+            if value is not None:
+                histogram.observe(value)
 
     def frame_lags(self, lags_ms: Iterable[float], deadline_ms: float) -> None:
         for lag in lags_ms:

@@ -38,9 +38,18 @@ from duplexd.scheduler.dialog import DialogWorker, LlmEngine
 from duplexd.scheduler.tts import TtsWorker
 from duplexd.scheduler.workers import AsrScheduler, VadWorker
 from duplexd.streaming import conversation as cv
-from duplexd.streaming.events import Event, ReplyDelta, ReplySpeculation
+from duplexd.streaming.events import (
+    Event,
+    ReplyDelta,
+    ReplyDone,
+    ReplyInterrupted,
+    ReplySpeculation,
+    ReplyStarted,
+    TurnEnded,
+)
 from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
+from duplexd.streaming.timeline import Timeline
 from duplexd.transport import protocol
 from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, DatagramEndpoint, new_key
 from duplexd.transport.limits import AudioRateLimit, authorized, origin_allowed
@@ -540,6 +549,7 @@ class _Connection:
             OUTPUT_SAMPLE_RATE * t.audio_frame_ms // 1000, OUTPUT_SAMPLE_RATE * t.audio_lead_ms // 1000
         )
         self._audio_wake = asyncio.Event()
+        self.timeline = Timeline()  # the latest turn's latency breakdown, logged once per reply
         # Playback position: the client's reports when it sends them, else real-time playback assumed.
         self._reported: tuple[int, float] | None = None  # (samples played, when reported)
         self._virtual = 0  # samples played by the assumed real-time client
@@ -880,6 +890,7 @@ class _Connection:
         if session is None or conv is None or server.dialog is None or server.tts is None or self.dialog_sid is None:
             return
         for out in outputs:
+            self._time(out, session)
             match out:
                 case cv.AppendUserText() | cv.StartReply() | cv.DraftReply() | cv.InterruptReply():
                     server.dialog.submit(self.dialog_sid, out)
@@ -914,6 +925,31 @@ class _Connection:
                 case _:
                     self._out_event(out)
         session.note_reply_audio(conv.starved and self.attached, time.monotonic())
+
+    def _time(self, out: cv.Output, session: Session) -> None:
+        """The turn's timeline: into the latency histograms when its first audio is ready, one log line when
+        its reply ends."""
+        now = time.monotonic()
+        match out:
+            case TurnEnded(turn=turn, text=text, eos_s=eos_s):  # (the audio arrives in real time)
+                self.timeline.turn_ended(turn, text, eos_at=now - max(0.0, session.heard_s - eos_s), now=now)
+            case ReplyStarted(reply=reply):
+                self.timeline.reply_started(reply)
+            case ReplyDelta(reply=reply, text=text):
+                self.timeline.token(reply, text, now)
+            case cv.PlayAudio(reply=reply):
+                if (timing := self.timeline.audio(reply, now)) is not None:
+                    self.server.metrics.turn(timing)
+            case ReplyDone(reply=reply, text=text) | ReplyInterrupted(reply=reply, heard_text=text):
+                if (
+                    timing := self.timeline.reply_ended(reply, text if isinstance(out, ReplyDone) else None)
+                ) is not None:
+                    log.info(
+                        "session %s %s",
+                        session.id,
+                        timing.summary(),
+                        extra={"event": "turn.timing", "session": session.id, **timing.fields()},
+                    )
 
     def _on_tts_audio(self, reply: int, index: int, audio: np.ndarray) -> None:
         if self.conversation is not None:
