@@ -207,6 +207,8 @@ def _cmd_serve_llm(args: argparse.Namespace) -> int:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, _first(group))
         return 1
     log.info("stopped")
+    global _exit_at_once
+    _exit_at_once = True
     return 0
 
 
