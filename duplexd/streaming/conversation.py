@@ -166,6 +166,9 @@ class _Reply:
     audio_ended: bool = False
     sent: bool = False
     chunker: TextChunker = field(default_factory=TextChunker)
+    max_tokens: int | None = None  # the reply's text ends after this many tokens (a Realtime `max_output_tokens`)
+    capped: bool = False  # ... and it did
+    kept_tokens: int | None = None  # after a cut (barge-in, cancel, truncate): the tokens left in the context
 
     @property
     def samples(self) -> int:
@@ -195,6 +198,9 @@ class Conversation:
         the pause (the worker applies the words before the draft, in order)."""
         self.auto_turns = auto_turns  # False: a turn ends only by `commit`/`respond` (the client decides)
         self.auto_respond = auto_respond  # False: a turn that ends waits for `respond` to be answered
+        self.barge_in = True  # False: the user's words never stop a reply (they wait for the next turn)
+        self.max_reply_tokens: int | None = None  # each reply's text ends after this many tokens (None: no cap)
+        self._spoken: _Reply | None = None  # the last reply that ended, for `truncate`
         self._held_appends: list[AppendUserText] = []  # with auto_turns off: words not committed by the client
         self._unanswered = False  # a turn ended without a reply (auto_respond off, or `commit`)
         self._turn = turn
@@ -293,14 +299,19 @@ class Conversation:
         self._tentative.clear()
         return []
 
-    def respond(self, stream_s: float) -> list[Output]:
-        """`response.create`: answer now. Ends the user's turn first if it has words not yet in a turn."""
+    def respond(self, stream_s: float, *, max_tokens: int | None = None) -> list[Output]:
+        """`response.create`: answer now. Ends the user's turn first if it has words not yet in a turn.
+        `max_tokens`: this reply's cap (else `max_reply_tokens`)."""
         if self._reply is not None:
             return []
         out = self._release_held()
         if self._turn_words or not self._unanswered:
-            return out + self._end_turn(stream_s, 0.0, None, reply=True)
-        return out + self._start_reply()
+            out += self._end_turn(stream_s, 0.0, None, reply=True)
+        else:
+            out += self._start_reply()
+        if max_tokens is not None and self._reply is not None:
+            self._reply.max_tokens = max_tokens
+        return out
 
     def _release_held(self) -> list[Output]:
         out: list[Output] = list(self._held_appends)
@@ -349,7 +360,7 @@ class Conversation:
     def _start_reply(self) -> list[Output]:
         self._unanswered = False
         chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
-        self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker)
+        self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker, max_tokens=self.max_reply_tokens)
         return [StartReply(self.turns), ReplyStarted(self.turns)]
 
     def _drafts(self) -> list[Output]:
@@ -379,11 +390,17 @@ class Conversation:
         if r is None or r.number != reply or r.text_done:
             return []
         out: list[Output] = []
-        for text in texts:
+        for i, text in enumerate(texts):
             shown = _whole_characters(text)
             r.token_ends.append(len(shown))
             if len(shown) > len(r.text) and shown.startswith(r.text):
                 out.extend(self._add_text(r, shown[len(r.text) :]))
+            last = done and i == len(texts) - 1
+            if r.max_tokens is not None and len(r.token_ends) >= r.max_tokens and not last:
+                # At the cap: the LLM's reply ends here (its context keeps these tokens); the audio plays on.
+                r.capped, done = True, True
+                out.append(InterruptReply(r.number, len(r.token_ends)))
+                break
         if done:
             r.text_done = True
             out.extend(self._pieces(r, r.chunker.flush()))
@@ -473,6 +490,7 @@ class Conversation:
         r = self._reply
         assert r is not None
         self._reply = None
+        self._spoken = r
         held, self._held = self._held, {}
         out: list[Output] = []
         for utt, (words, committed, final) in sorted(held.items()):
@@ -508,7 +526,9 @@ class Conversation:
                 continue
             committed += sum(1 for w in words[:n_committed] if id(w) in meaningful)
             hypothesis += 0 if final else len(meaningful)
-        if committed < self._turn.barge_in_words and hypothesis < self._turn.barge_in_partial_words:
+        if not self.barge_in or (
+            committed < self._turn.barge_in_words and hypothesis < self._turn.barge_in_partial_words
+        ):
             return []
         return self._interrupt("barge_in")
 
@@ -524,6 +544,28 @@ class Conversation:
         if self._reply is None:
             return []
         return self._interrupt("session_end")
+
+    def truncate(self, reply: int, heard_samples: int) -> tuple[str, list[Output]] | None:
+        """The client played only the first `heard_samples` of reply `reply`'s audio (a Realtime
+        `conversation.item.truncate`). The reply in progress stops there, as on a cancel; the last reply that
+        ended keeps only those tokens in the LLM context (the engine cuts it, also when the user's words
+        followed it). Returns the text heard and the commands, or None for a reply not kept here (older)."""
+        r = self._reply
+        if r is not None and r.number == reply:
+            out = self._interrupt("cancel", heard_samples)
+            heard = next((o.heard_text for o in out if isinstance(o, ReplyInterrupted)), "")
+            return heard, out
+        r = self._spoken
+        if r is None or r.number != reply:
+            return None
+        kept = len(r.token_ends) if r.kept_tokens is None else r.kept_tokens
+        heard_chars = self._heard_chars(r, max(0, min(heard_samples, r.samples)))
+        heard_tokens = min(kept, sum(1 for end in r.token_ends if end <= heard_chars))
+        heard_text = r.text[: r.token_ends[heard_tokens - 1]].strip() if heard_tokens else ""
+        if heard_tokens == kept:
+            return heard_text, []  # the context holds no more than that already
+        r.kept_tokens = heard_tokens
+        return heard_text, [InterruptReply(r.number, heard_tokens)]
 
     def set_turn_config(self, turn: TurnConfig) -> None:
         """New endpointing settings (a Realtime `session.update`), from the next decision on."""
@@ -544,6 +586,11 @@ class Conversation:
     def replying(self) -> bool:
         return self._reply is not None
 
+    def capped(self, reply: int) -> bool:
+        """Reply `reply` (in progress or the last one) ended at its token cap."""
+        r = self._reply if self._reply is not None and self._reply.number == reply else self._spoken
+        return r is not None and r.number == reply and r.capped
+
     @property
     def starved(self) -> bool:
         """The user is owed reply audio that does not exist yet: the turn has ended (or the reply has begun)
@@ -557,15 +604,19 @@ class Conversation:
     def phase(self) -> Phase:
         return Phase.REPLYING if self._reply is not None else Phase.LISTENING
 
-    def _interrupt(self, reason: str) -> list[Output]:
+    def _interrupt(self, reason: str, heard: int | None = None) -> list[Output]:
+        """Stop the reply; the client heard its first `heard` samples (None: as far as it has played)."""
         r = self._reply
         assert r is not None
         heard_samples = 0
-        if r.start_sample is not None:
+        if heard is not None:
+            heard_samples = max(0, min(heard, r.samples))
+        elif r.start_sample is not None:
             heard_samples = max(0, min(self._played_samples - r.start_sample, r.samples))
         heard_chars = self._heard_chars(r, heard_samples)
         heard_tokens = sum(1 for end in r.token_ends if end <= heard_chars)
         heard_text = r.text[: r.token_ends[heard_tokens - 1]].strip() if heard_tokens else ""
+        r.kept_tokens = heard_tokens
         out: list[Output] = [
             InterruptReply(r.number, heard_tokens),
             StopAudio(r.number),

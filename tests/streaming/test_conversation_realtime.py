@@ -1,0 +1,82 @@
+"""What the Realtime endpoint asks of the conversation core: truncating a reply after it ended, a reply's
+token cap, and replies that the user's words do not interrupt (scripted, pure)."""
+
+from __future__ import annotations
+
+from test_conversation import SR, new, of, start_reply, stream_reply, voice_all, words
+
+from duplexd.streaming import conversation as cv
+from duplexd.streaming.events import ReplyDone, ReplyInterrupted, TranscriptUpdated
+
+TEXT = "Paris is the capital of France. It is a big city."  # pieces: "Paris is the" (1 s), the rest (1 s each)
+
+
+def finished(conv: cv.Conversation) -> int:
+    """A reply voiced, sent and played out: the conversation is listening again."""
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, TEXT))
+    conv.audio_sent(reply)
+    conv.played(10 * SR)
+    assert not conv.replying
+    return reply
+
+
+def test_truncating_the_last_reply_after_it_ended_cuts_it_to_what_was_heard() -> None:
+    conv = new()
+    reply = finished(conv)
+    heard, out = conv.truncate(reply, int(1.5 * SR))
+    assert heard == "Paris is the capital" and out == [cv.InterruptReply(reply, 4)]
+    # A later, shorter truncate cuts again; a longer one (or the same) has nothing left to cut.
+    assert conv.truncate(reply, 2 * SR) == ("Paris is the capital", [])
+    heard, out = conv.truncate(reply, SR)
+    assert heard == "Paris is the" and out == [cv.InterruptReply(reply, 3)]
+    assert conv.truncate(reply - 1, 0) is None  # an older reply is not kept
+
+
+def test_truncating_after_a_barge_in_cuts_only_below_what_the_barge_in_kept() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, TEXT))
+    conv.played(int(1.5 * SR))
+    out = conv.observe([TranscriptUpdated(2, words("wait no"), 2)])
+    assert of(out, ReplyInterrupted)[0].heard_text == "Paris is the capital"
+    assert conv.truncate(reply, 2 * SR)[1] == []  # (the client played no more than the server assumed)
+    assert conv.truncate(reply, int(0.5 * SR))[1] == [cv.InterruptReply(reply, 1)]
+
+
+def test_truncating_the_reply_in_progress_stops_it_at_that_point() -> None:
+    conv = new()
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, TEXT))
+    conv.played(int(2.5 * SR))  # (the server's estimate is ahead of the client's truncate)
+    heard, out = conv.truncate(reply, SR)
+    assert heard == "Paris is the" and of(out, cv.InterruptReply) == [cv.InterruptReply(reply, 3)]
+    assert of(out, ReplyInterrupted)[0].reason == "cancel" and not conv.replying
+
+
+def test_a_reply_ends_at_its_token_cap_and_its_audio_plays() -> None:
+    conv = new()
+    conv.max_reply_tokens = 4
+    reply = start_reply(conv)
+    out = stream_reply(conv, reply, TEXT)
+    assert of(out, cv.InterruptReply) == [cv.InterruptReply(reply, 4)]  # the LLM stops there
+    audio = voice_all(conv, reply, out)
+    assert of(audio, cv.EndAudio) == [cv.EndAudio(reply)]
+    done = of(conv.audio_sent(reply), ReplyDone)[0]
+    assert done.text == "Paris is the capital" and conv.capped(reply)
+    conv.played(10 * SR)
+    conv.max_reply_tokens = None
+    (start,) = of(conv.respond(6.0, max_tokens=4), cv.StartReply)  # (a cap for this reply only)
+    assert of(stream_reply(conv, start.reply, "No."), cv.InterruptReply) == [] and not conv.capped(start.reply)
+
+
+def test_without_barge_in_the_users_words_wait_for_the_next_turn() -> None:
+    conv = new()
+    conv.barge_in = False
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, TEXT))
+    out = conv.observe([TranscriptUpdated(2, words("wait no stop"), 3)])
+    assert out == [] and conv.replying
+    conv.audio_sent(reply)
+    out = conv.played(10 * SR)
+    assert [a.text for a in of(out, cv.AppendUserText)] == ["wait no stop"]
