@@ -1,0 +1,254 @@
+"""LiveKit Agents' OpenAI realtime plugin, unchanged, inside an `AgentSession` against a real duplexd (issue 18).
+
+No room and no LiveKit server: the session's audio input is a microphone that speaks real clips at real-time pace
+(silence in between) and its audio output a loudspeaker that plays the replies in real time and reports playback as
+LiveKit's sinks do. Between the plugin and duplexd a relay records the wire.
+
+One session: a spoken turn, a barge-in during a reply, and `generate_reply`, whose response the server must
+acknowledge (the `response.created` that carries the request's metadata back) within a second. No `error` is logged
+by the plugin or reaches the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("livekit.agents")
+pytest.importorskip("livekit.plugins.openai")
+
+from livekit import rtc  # noqa: E402
+from livekit.agents import Agent, AgentSession, io, llm  # noqa: E402
+from livekit.plugins.openai.realtime import RealtimeModel  # noqa: E402
+from wiretap import RATE_HZ, WireTap, pcm24  # noqa: E402
+
+from duplexd.bench import scenarios as sc  # noqa: E402
+from duplexd.bench.data import wer  # noqa: E402
+
+FRAME_S = 0.02
+INSTRUCTIONS = "You are a helpful assistant. Answer in one short sentence."
+SPOKEN = "clip22_deepspeech_new_home.wav"  # "we must find a new home in the stars"
+INTERRUPTED = "clip16_sb_example1.wav"  # "The birch canoe slid on the smooth planks"
+BARGE_IN = "clip15_sb_spk2_snt4.wav"  # "mend the coat before you go out"
+TYPED = "Thank you! And what is your name?"
+
+
+class Microphone(io.AudioInput):
+    """A live microphone: a 20 ms frame every 20 ms, the clips it is given to say, silence in between."""
+
+    def __init__(self) -> None:
+        super().__init__(label="microphone")
+        self._speech = bytearray()
+        self._quiet = asyncio.Event()
+        self._next_t: float | None = None
+
+    async def say(self, pcm: bytes) -> None:
+        """Returns once the whole clip has gone out, at real-time pace."""
+        self._quiet.clear()
+        self._speech += pcm
+        await self._quiet.wait()
+
+    async def __anext__(self) -> rtc.AudioFrame:
+        step = int(RATE_HZ * FRAME_S) * 2
+        self._next_t = (self._next_t or time.monotonic()) + FRAME_S
+        await asyncio.sleep(max(0.0, self._next_t - time.monotonic()))
+        chunk = bytes(self._speech[:step])
+        del self._speech[:step]
+        if not self._speech:
+            self._quiet.set()
+        return rtc.AudioFrame(
+            data=chunk.ljust(step, b"\0"), sample_rate=RATE_HZ, num_channels=1, samples_per_channel=step // 2
+        )
+
+
+class Loudspeaker(io.AudioOutput):
+    """Plays what the session captures in real time, 20 ms at a time; a segment ends when its audio has been played
+    after `flush()`, or at once on `clear_buffer()` (interrupted, at the position reached)."""
+
+    def __init__(self) -> None:
+        super().__init__(label="loudspeaker", capabilities=io.AudioOutputCapabilities(pause=False), sample_rate=RATE_HZ)
+        self.played_bytes = 0
+        self.finished: list[io.PlaybackFinishedEvent] = []
+        self.started = 0
+        self._queue = bytearray()
+        self._in_segment = self._flushed = self._playing = False
+        self._position_s = 0.0
+        self._wake = asyncio.Event()
+
+    async def capture_frame(self, frame: rtc.AudioFrame) -> None:
+        await super().capture_frame(frame)
+        if not self._in_segment:
+            self._in_segment, self._flushed, self._playing, self._position_s = True, False, False, 0.0
+        self._queue += bytes(frame.data)
+        self._wake.set()
+
+    def flush(self) -> None:
+        super().flush()
+        self._flushed = True
+        self._wake.set()
+
+    def clear_buffer(self) -> None:
+        self._queue.clear()
+        if self._in_segment:
+            self._finish(interrupted=True)
+
+    def _finish(self, *, interrupted: bool) -> None:
+        self._in_segment = False
+        self.on_playback_finished(playback_position=self._position_s, interrupted=interrupted)
+        self.finished.append(io.PlaybackFinishedEvent(playback_position=self._position_s, interrupted=interrupted))
+
+    async def play(self) -> None:
+        """The device: runs for the whole session."""
+        step = int(RATE_HZ * FRAME_S) * 2
+        next_t: float | None = None
+        while True:
+            self._wake.clear()
+            if not self._queue:
+                if self._in_segment and self._flushed:
+                    self._finish(interrupted=False)
+                next_t = None
+                await self._wake.wait()
+                continue
+            if not self._playing:
+                self._playing = True
+                self.started += 1
+                self.on_playback_started(created_at=time.time())
+            chunk = self._queue[:step]
+            del self._queue[:step]
+            self.played_bytes += len(chunk)
+            self._position_s += len(chunk) / (2 * RATE_HZ)
+            next_t = (next_t or time.monotonic()) + len(chunk) / (2 * RATE_HZ)
+            await asyncio.sleep(max(0.0, next_t - time.monotonic()))
+
+    async def wait(self, *, started: int = 0, finished: int = 0, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.started < started or len(self.finished) < finished:
+            assert time.monotonic() < deadline, (self.started, self.finished)
+            await asyncio.sleep(0.02)
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="server (issue 18): the plugin's default session fields (semantic_vad, noise_reduction, tracing, "
+    "max_output_tokens, tool_choice, speed, tools) get error events, which the plugin logs as errors; "
+    "response.created does not carry response.create's metadata, so generate_reply times out after 10 s",
+)
+async def test_livekit_agent_session_drives_spoken_barge_in_and_generate_reply_turns(make_server, clip_by_name) -> None:
+    srv = await make_server()
+    clips = {name: pcm24(sc.load(clip_by_name[name].path)) for name in (SPOKEN, INTERRUPTED, BARGE_IN)}
+    errors_logged = Records()
+    logging.getLogger("livekit").addHandler(errors_logged)
+    tap = WireTap(srv.port)
+    session_errors: list[object] = []
+    heard: list[str] = []
+    said: list[llm.ChatMessage] = []
+    generations: list[tuple[float, bool]] = []
+    try:
+        async with tap.running():
+            model = RealtimeModel(api_key="not-checked", base_url=f"ws://127.0.0.1:{tap.port}/v1")
+            session = AgentSession(llm=model)
+            mic, speaker = Microphone(), Loudspeaker()
+            session.input.audio = mic
+            session.output.audio = speaker
+            session.on("error", lambda ev: session_errors.append(ev.error))
+            session.on("user_input_transcribed", lambda ev: ev.is_final and heard.append(ev.transcript))
+            session.on(
+                "conversation_item_added",
+                lambda ev: (
+                    isinstance(ev.item, llm.ChatMessage) and ev.item.role == "assistant" and said.append(ev.item)
+                ),
+            )
+            device = asyncio.create_task(speaker.play())
+            try:
+                agent = Agent(instructions=INSTRUCTIONS)
+                await session.start(agent, record=False)
+                agent.realtime_llm_session.on(
+                    "generation_created", lambda ev: generations.append((time.monotonic(), ev.user_initiated))
+                )
+                # 1. spoken
+                await mic.say(clips[SPOKEN])
+                await tap.wait_for("response.done", 1)
+                await speaker.wait(finished=1)
+                # 2. a question, then the user talks over the reply
+                await mic.say(clips[INTERRUPTED])
+                await speaker.wait(started=2)
+                await asyncio.sleep(0.3)
+                await mic.say(clips[BARGE_IN])
+                await tap.wait_for("response.done", 3)
+                await speaker.wait(finished=3)
+                # 3. typed, answered through generate_reply
+                asked_at = time.monotonic()
+                handle = session.generate_reply(user_input=TYPED)
+                await asyncio.wait_for(handle.wait_for_playout(), 60)
+            finally:
+                await session.aclose()
+                await model.aclose()
+                device.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await device
+    finally:
+        logging.getLogger("livekit").removeHandler(errors_logged)
+        tap.write_trace("livekit")
+
+    assert not tap.errors(), tap.summary()
+    assert not errors_logged.records and not session_errors, (
+        [r.getMessage() for r in errors_logged.records],
+        session_errors,
+    )
+
+    # What duplexd answered, on the wire: three responses, the second cut by the barge-in.
+    done = [e["response"] for e in tap.of("response.done")]
+    assert [r["status"] for r in done] == ["completed", "cancelled", "completed", "completed"][: len(done)], (
+        tap.summary()
+    )
+    assert len(done) == 4, tap.summary()
+    # (the plugin cancels on the server's speech_started, racing the server's own cancel)
+    assert done[1]["status_details"]["reason"] in ("turn_detected", "client_cancelled")
+    transcribed = [e["transcript"] for e in tap.of("conversation.item.input_audio_transcription.completed")]
+    for name, text in zip((SPOKEN, INTERRUPTED, BARGE_IN), transcribed, strict=True):
+        assert wer([clip_by_name[name].text], [text]) <= 0.4, (name, text)
+    audio_by_response: dict[str, int] = {}
+    for e in tap.of("response.output_audio.delta"):
+        audio_by_response[e["response_id"]] = audio_by_response.get(e["response_id"], 0) + e["delta"]
+    for r in done:
+        assert r["output"][0]["content"][0]["transcript"].strip(), r
+        if r["status"] == "completed":
+            assert audio_by_response[r["id"]] > RATE_HZ * 2 * 0.5, r["id"]
+
+    # The session heard the user and said the replies: transcripts, text and audio, played by the loudspeaker.
+    assert heard == transcribed
+    assert [m.text_content for m in said if not m.interrupted] == [
+        r["output"][0]["content"][0]["transcript"] for r in done if r["status"] == "completed"
+    ]
+    assert [f.interrupted for f in speaker.finished] == [False, True, False, False]
+    assert speaker.played_bytes > RATE_HZ * 2 * 1.5
+
+    # The barge-in: the plugin cut its playback and told the server what was heard of the reply.
+    cut_item = done[1]["output"][0]["id"]
+    cut = [e for e in tap.of("conversation.item.truncate", "client") if e["item_id"] == cut_item]
+    deleted = [e for e in tap.of("conversation.item.delete", "client") if e["item_id"] == cut_item]
+    assert cut or deleted, tap.summary()
+    assert any(
+        e["item_id"] == cut_item for e in tap.of("conversation.item.truncated") + tap.of("conversation.item.deleted")
+    )
+
+    # generate_reply: the typed message went in as an item, and its response was acknowledged within a second.
+    (typed,) = [e for e in tap.of("conversation.item.create", "client") if e["item"].get("role") == "user"]
+    assert typed["item"]["content"][0]["text"] == TYPED
+    (reply_at,) = [t for t, user_initiated in generations if user_initiated]
+    assert reply_at - asked_at < 1.0
