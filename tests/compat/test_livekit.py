@@ -213,10 +213,7 @@ async def test_livekit_agent_session_drives_spoken_barge_in_and_generate_reply_t
 
     # What duplexd answered, on the wire: three responses, the second cut by the barge-in.
     done = [e["response"] for e in tap.of("response.done")]
-    assert [r["status"] for r in done] == ["completed", "cancelled", "completed", "completed"][: len(done)], (
-        tap.summary()
-    )
-    assert len(done) == 4, tap.summary()
+    assert [r["status"] for r in done] == ["completed", "cancelled", "completed", "completed"], tap.summary()
     # (the plugin cancels on the server's speech_started, racing the server's own cancel)
     assert done[1]["status_details"]["reason"] in ("turn_detected", "client_cancelled")
     transcribed = [e["transcript"] for e in tap.of("conversation.item.input_audio_transcription.completed")]
@@ -225,10 +222,12 @@ async def test_livekit_agent_session_drives_spoken_barge_in_and_generate_reply_t
     audio_by_response: dict[str, int] = {}
     for e in tap.of("response.output_audio.delta"):
         audio_by_response[e["response_id"]] = audio_by_response.get(e["response_id"], 0) + e["delta"]
-    for r in done:
-        assert r["output"][0]["content"][0]["transcript"].strip(), r
+    for r in done:  # every reply was heard: a whole sentence, or (the one cut short) a start, whatever its words
         if r["status"] == "completed":
-            assert audio_by_response[r["id"]] > RATE_HZ * 2 * 0.5, r["id"]
+            assert r["output"][0]["content"][0]["transcript"].strip(), r
+            assert audio_by_response[r["id"]] > RATE_HZ * 2 * 0.5, r["id"]  # half a second of reply, at least
+        else:
+            assert audio_by_response[r["id"]] > 0, r["id"]
 
     # The session heard the user and said the replies: transcripts, text and audio, played by the loudspeaker.
     assert heard == transcribed

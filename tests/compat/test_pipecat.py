@@ -216,7 +216,8 @@ async def test_pipecat_realtime_service_drives_typed_spoken_follow_up_and_barge_
     assert [r["status"] for r in done] == ["completed", "completed", "completed", "cancelled", "completed"], (
         tap.summary()
     )
-    assert done[3]["status_details"]["reason"] == "turn_detected"
+    # (pipecat truncates the reply on the server's speech_started, racing the server's own cancel)
+    assert done[3]["status_details"]["reason"] in ("turn_detected", "client_cancelled")
     created = [e for e in tap.of("conversation.item.create", "client")]
     assert created and created[0]["item"]["content"][0]["text"] == TYPED
     heard = [e["transcript"] for e in tap.of("conversation.item.input_audio_transcription.completed")]
@@ -226,11 +227,12 @@ async def test_pipecat_realtime_service_drives_typed_spoken_follow_up_and_barge_
     audio_by_response: dict[str, int] = {}
     for e in tap.of("response.output_audio.delta"):
         audio_by_response[e["response_id"]] = audio_by_response.get(e["response_id"], 0) + e["delta"]
-    for r in done:
-        transcript = r["output"][0]["content"][0]["transcript"]
-        assert transcript.strip(), r
+    for r in done:  # every reply was heard: a whole sentence, or (the one cut short) a start, whatever its words
         if r["status"] == "completed":
+            assert r["output"][0]["content"][0]["transcript"].strip(), r
             assert audio_by_response[r["id"]] > RATE_HZ * 2 * 0.5, r["id"]  # half a second of reply, at least
+        else:
+            assert audio_by_response[r["id"]] > 0, r["id"]
 
     # The barge-in: pipecat interrupted its playback and told the server what was heard of the reply.
     assert frames.of(InterruptionFrame)
