@@ -101,10 +101,14 @@ STORYTELLER_PROMPT = "You are a storyteller. Answer every message with a long st
 
 def storyteller(max_reply_tokens: int = 120, speed: float = 0.5) -> ServerConfig:
     """A server configuration whose replies are long and slowly spoken (long enough to talk over, to cut a
-    connection in, or to drain): SmolLM2-135M often just repeats a statement back, so ask for stories."""
+    connection in, or to drain): SmolLM2-135M often just repeats a statement back, so ask for stories, and
+    let them run past the voice default of two sentences."""
     return ServerConfig(
         dialog=dataclasses.replace(
-            ServerConfig().dialog, system_prompt=STORYTELLER_PROMPT, max_reply_tokens=max_reply_tokens
+            ServerConfig().dialog,
+            system_prompt=STORYTELLER_PROMPT,
+            max_reply_tokens=max_reply_tokens,
+            max_reply_sentences=0,
         ),
         tts=TtsConfig(speed=speed),
     )

@@ -192,6 +192,7 @@ class _Session:
     key: int = 0  # hash of every chunk ingested so far (and every cut-back), in order
     decode_limit: int | None = None  # a draft stops (is parked) after this many reply tokens
     reply_cap: int = 0  # a reply ends after this many tokens (given at `open`, copied by `fork`)
+    sentence_cap: int = 0  # ... or this many sentences (0: no limit; given at `open`, copied by `fork`)
     user_open: bool = False
     user_words: deque[int] = field(default_factory=lambda: deque(maxlen=_TURN_TOKENS))  # the open user turn's
     answering: tuple[int, ...] = ()  # the user's words the reply answers (the guard's copy rule)
@@ -274,11 +275,12 @@ class DialogEngine:
         *,
         priority: Priority = Priority.NORMAL,
         max_reply_tokens: int | None = None,
+        max_reply_sentences: int | None = None,
     ) -> int:
         """Start a conversation (its system turn is prefilled by the next steps). Raises `PoolFull`.
 
-        `max_reply_tokens`: this conversation's reply limit (a server's own, when servers share an engine);
-        None: the engine's."""
+        `max_reply_tokens`, `max_reply_sentences` (0: none): this conversation's reply limits (a server's
+        own, when servers share an engine); None: the engine's."""
         slot = self.pool.allocate()
         session = _Session(
             next(self._ids),
@@ -286,6 +288,7 @@ class DialogEngine:
             WindowState(self.config.window),
             priority,
             reply_cap=max_reply_tokens or self.config.max_reply_tokens,
+            sentence_cap=self.config.max_reply_sentences if max_reply_sentences is None else max_reply_sentences,
         )
         system = (
             self.format.system
@@ -325,6 +328,7 @@ class DialogEngine:
             reply_start=parent.reply_start,
             p_end_of_turn=parent.p_end_of_turn,
             reply_cap=parent.reply_cap,
+            sentence_cap=parent.sentence_cap,
             log=deque(parent.log),
         )
         self._sessions[child.id] = child
@@ -634,7 +638,7 @@ class DialogEngine:
             self._finish_reply(session)
             return None
         before = self.tokenizer.decode(session.reply)
-        keep = reply_end(before, self.tokenizer.decode([*session.reply, token]), self.config.max_reply_sentences)
+        keep = reply_end(before, self.tokenizer.decode([*session.reply, token]), session.sentence_cap)
         if keep is not None and keep <= len(before):  # (the reply is over before this token)
             self._finish_reply(session)
             return None

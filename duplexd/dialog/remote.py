@@ -286,6 +286,7 @@ class _Conversation:
     priority: Priority
     decode_limit: int | None = None
     reply_cap: int = 0  # a reply ends after this many pieces (given at `open`, copied by `fork`)
+    sentence_cap: int = 0  # ... or this many sentences (0: no limit; given at `open`, copied by `fork`)
     history: deque[tuple[str, str]] = field(default_factory=deque)  # finished (role, text) turns, alternating
     user_text: str = ""
     user_open: bool = False
@@ -336,13 +337,19 @@ class RemoteDialogEngine:
         *,
         priority: Priority = Priority.NORMAL,
         max_reply_tokens: int | None = None,
+        max_reply_sentences: int | None = None,
     ) -> int:
-        """Start a conversation. Raises `PoolFull` when `max_sessions` are open. `max_reply_tokens`: this
-        conversation's reply limit, in pieces (None: `max_reply_tokens` of the configuration)."""
+        """Start a conversation. Raises `PoolFull` when `max_sessions` are open. `max_reply_tokens`,
+        `max_reply_sentences` (0: none): this conversation's reply limits, in pieces and sentences (None:
+        those of the configuration)."""
         self.pool.allocate()
         system = self.config.system_prompt if system_prompt is None else system_prompt
         conv = _Conversation(
-            next(self._ids), system, priority, reply_cap=max_reply_tokens or self.config.max_reply_tokens
+            next(self._ids),
+            system,
+            priority,
+            reply_cap=max_reply_tokens or self.config.max_reply_tokens,
+            sentence_cap=self.config.max_reply_sentences if max_reply_sentences is None else max_reply_sentences,
         )
         self._sessions[conv.id] = conv
         return conv.id
@@ -367,6 +374,7 @@ class RemoteDialogEngine:
             priority,
             decode_limit=decode_limit,
             reply_cap=parent.reply_cap,
+            sentence_cap=parent.sentence_cap,
             history=deque(parent.history),
             user_text=parent.user_text,
             user_open=parent.user_open,
@@ -502,7 +510,7 @@ class RemoteDialogEngine:
         while stream.pieces and not _at_limit(c) and len(c.reply) < c.reply_cap:
             piece = stream.pieces.popleft()
             before = self.tokenizer.decode(c.reply)
-            keep = reply_end(before, before + piece, self.config.max_reply_sentences)
+            keep = reply_end(before, before + piece, c.sentence_cap)
             if keep is not None:  # (a piece is text: it can be cut where the reply ends)
                 piece, ended = piece[: max(keep - len(before), 0)], True
             if piece:

@@ -55,6 +55,7 @@ class LlmEngine(Protocol):
         *,
         priority: Priority = Priority.NORMAL,
         max_reply_tokens: int | None = None,
+        max_reply_sentences: int | None = None,
     ) -> int: ...
     def close(self, sid: int) -> None: ...
     def fork(self, sid: int, *, priority: Priority = Priority.DRAFT, decode_limit: int | None = None) -> int: ...
@@ -151,15 +152,17 @@ class DialogWorker:
         yield_to: Callable[[], bool] | None = None,
         head_start: Callable[[], bool] | None = None,
         max_reply_tokens: int | None = None,
+        max_reply_sentences: int | None = None,
     ) -> None:
         """`yield_to`: True while other work that must not be slowed down runs on this machine's cores (a
         recognizer pass, speech synthesis for a reply); drafts wait for it to finish. `head_start`: True
         while that work is only recognizer passes, when drafts short of `speculation.head_start_tokens`
-        reply tokens may still step. `max_reply_tokens`: the conversations' reply limit (None: the engine's;
-        servers that share one engine each keep their own)."""
+        reply tokens may still step. `max_reply_tokens`, `max_reply_sentences`: the conversations' reply
+        limits (None: the engine's; servers that share one engine each keep their own)."""
         self.engine = engine
         self._system_prompt = system_prompt  # None: the engine's own
         self._max_reply_tokens = max_reply_tokens
+        self._max_reply_sentences = max_reply_sentences
         self.speculation = speculation or SpeculationConfig()
         self._pool = HypothesisPool(self.speculation.drafts_per_session, self.speculation.max_drafts)
         self.stats = SpeculationStats()
@@ -255,6 +258,7 @@ class DialogWorker:
                 return self.engine.open(
                     system_prompt if system_prompt is not None else self._system_prompt,
                     max_reply_tokens=self._max_reply_tokens,
+                    max_reply_sentences=self._max_reply_sentences,
                 )
             except PoolFull:
                 oldest = self._pool.oldest()  # a draft never keeps a conversation out

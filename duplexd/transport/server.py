@@ -119,6 +119,7 @@ class Server:
                 yield_to=self._others_busy if config.speculation.yield_to_asr else None,
                 head_start=self._no_reply_synthesis,
                 max_reply_tokens=config.dialog.max_reply_tokens,
+                max_reply_sentences=config.dialog.max_reply_sentences,
             )
             if engines.dialog and engines.tts
             else None

@@ -448,3 +448,21 @@ def test_each_conversation_can_have_its_own_reply_limit(smol) -> None:
     _, brief = ask(engine, "", short)
     assert len(long) == 12 and brief == long[:4]
     assert engine.reply_tokens(draft) == brief  # the draft stopped where its conversation does
+
+
+def test_each_conversation_can_have_its_own_sentence_limit(smol) -> None:
+    """The same for `dialog.max_reply_sentences`: a storyteller server (0: no limit) sharing the engine with a
+    voice server (the default, 2) gets its whole story, and a draft inherits its conversation's limit."""
+    engine = make_engine(smol, max_sessions=3, max_reply_tokens=48, max_reply_sentences=1)
+    question = "Tell me a long story about a dragon."
+    _, brief = ask(engine, question)
+    story = engine.open(max_reply_sentences=0)
+    engine.append_user_text(story, question)
+    run_until_idle(engine)
+    draft = engine.fork(story)
+    engine.start_reply(draft)
+    _, long = ask(engine, "", story)
+    text = engine.tokenizer.decode
+    assert len(long) == 48 and long[: len(brief)] == brief  # the same words, past the first sentence's end
+    assert text(brief).rstrip().endswith((".", "!", "?")) and len(text(long)) > len(text(brief))
+    assert engine.reply_tokens(draft) == long  # the draft ran as far as its conversation does
