@@ -471,22 +471,33 @@ class DialogEngine:
     def interrupt(self, sid: int, heard_tokens: int) -> None:
         """Stop the reply; keep only its first `heard_tokens` tokens in the conversation.
 
-        Also cuts a reply the engine has already finished, as long as nothing followed it yet (its audio
-        can still be playing when the user talks over it)."""
+        Also cuts a reply the engine has already finished (its audio can still be playing when the user
+        talks over it, or a Realtime client truncates it later), also when the user's words followed it:
+        those are taken in again after the cut reply, as long as the KV window still holds the reply."""
         session = self._get(sid)
         close = self.tokenizer.encode(self.format.reply_close)
         after_reply = session.reply_start + len(session.reply) + len(close)
-        finished = (
-            not session.replying
-            and bool(session.reply)
-            and not session.user_open
-            and session.window.n + len(session.pending) == after_reply
-        )
-        if not (session.replying or finished):
+        end = session.window.n + len(session.pending)
+        finished = not session.replying and bool(session.reply) and not session.user_open and end == after_reply
+        followed = self._followed_reply(session, after_reply)
+        if not (session.replying or finished or followed is not None):
             return
         heard = max(0, min(heard_tokens, len(session.reply)))
-        if finished and heard == len(session.reply):
+        if not session.replying and heard == len(session.reply):
             return  # all of it was heard: nothing to cut
+        if followed is not None:
+            cut = session.reply_start + heard
+            session.window.truncate(cut)
+            session.pending.clear()
+            session.cuts.clear()
+            session.key = _chain(session.key, ("cut", cut))
+            while session.log and session.log[-1][0] >= cut:
+                session.log.pop()
+            del session.reply[heard:]
+            self._finish_reply(session)  # (its end marker, then the user's words again)
+            _queue(session, followed)
+            session.p_end_of_turn = None
+            return
         ingested = session.window.n - session.reply_start  # reply tokens already in the KV
         if ingested > heard:
             session.window.truncate(session.reply_start + heard)
@@ -501,6 +512,17 @@ class DialogEngine:
             _queue(session, session.reply[ingested:heard])
         del session.reply[heard:]
         self._finish_reply(session)
+
+    def _followed_reply(self, session: _Session, after_reply: int) -> list[int] | None:
+        """The tokens after a finished reply when only the user's open turn followed it (None otherwise, or
+        when the window or the log no longer holds the reply and everything after it)."""
+        if session.replying or not session.reply or not session.user_open or session.window.n < after_reply:
+            return None
+        logged = [token for pos, token in session.log if pos >= after_reply]
+        oldest = min((t for t in session.window.row_t.tolist() if t >= self.config.window.sink_tokens), default=0)
+        if len(logged) != session.window.n - after_reply or oldest > session.reply_start:
+            return None
+        return logged + list(session.pending)
 
     # --- the step -------------------------------------------------------------------------------------
 

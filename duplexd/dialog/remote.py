@@ -463,9 +463,10 @@ class RemoteDialogEngine:
 
     def interrupt(self, sid: int, heard_tokens: int) -> None:
         """Stop the reply (its request is cancelled); only its first `heard_tokens` pieces stay in the
-        transcript. Also cuts a reply already finished, as long as nothing followed it yet."""
+        transcript. Also cuts a reply already finished, also when the user's words followed it."""
         c = self._get(sid)
-        if not (c.replying or (c.reply_done and c.reply)):
+        last_is_reply = bool(c.history) and c.history[-1][0] == "assistant"
+        if not (c.replying or (c.reply and last_is_reply and (c.reply_done or c.user_open))):
             return
         heard = max(0, min(heard_tokens, len(c.reply)))
         if not c.replying and heard == len(c.reply):
