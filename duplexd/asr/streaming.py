@@ -9,7 +9,7 @@ there commits everything and the utterance is final.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -107,6 +107,11 @@ class StreamingTranscriber:
         self._prompt_until_s = 0.0
 
     # -- audio and VAD -------------------------------------------------------------------------------
+
+    def retune(self, config: AsrConfig) -> None:
+        """New settings from the next pass on (a Realtime client's `prefix_padding_ms` sets `preroll_s`); the
+        audio ring keeps the size it was built with."""
+        self._config = replace(config, ring_s=self._config.ring_s)
 
     @property
     def samples(self) -> int:

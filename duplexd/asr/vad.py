@@ -36,6 +36,10 @@ class VadHysteresis:
     def speaking(self) -> bool:
         return self._speaking
 
+    def retune(self, config: VadConfig) -> None:
+        """New thresholds (a client's own), from the next chunk on; the current speech state stays."""
+        self._config = config
+
     def push(self, prob: float, chunk_start_s: float) -> SpeechStarted | SpeechStopped | None:
         cfg = self._config
         chunk_end_s = chunk_start_s + VAD_CHUNK_S

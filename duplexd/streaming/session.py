@@ -12,7 +12,7 @@ Silence adds no words, so that text is the final text; speech that resumes opens
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,6 +37,7 @@ class Session:
         self.id = session_id
         self.sample_rate = sample_rate
         self._config = config
+        self._base_config = config  # (`tune_vad` changes `_config` from this)
         self._resampler = StreamResampler(sample_rate, VAD_SAMPLE_RATE)
         self.vad_stream = VadStream()
         self._hysteresis = VadHysteresis(config.vad)
@@ -57,6 +58,20 @@ class Session:
         self._starved_since: float | None = None  # owed reply audio has been missing since then
         self.underrun_s = 0.0  # total time the user waited for owed reply audio
         self._worst_wait = 0.0  # the longest such wait that ended since the last `drain_reply_lag`
+
+    def tune_vad(self, *, threshold: float | None = None, preroll_ms: int | None = None) -> None:
+        """A client's own VAD settings (a Realtime `server_vad`), from the next chunk on: the speech
+        probability that starts speech, and the audio the recognizer gets before a speech onset. None: the
+        server's configured value."""
+        base = self._base_config
+        vad = base.vad
+        if threshold is not None:
+            t = min(0.99, max(0.01, threshold))
+            vad = replace(vad, threshold=t, neg_threshold=min(vad.neg_threshold, max(0.01, t - 0.15)))
+        asr = base.asr if preroll_ms is None else replace(base.asr, preroll_s=preroll_ms / 1000)
+        self._config = replace(base, vad=vad, asr=asr)
+        self._hysteresis.retune(vad)
+        self.transcriber.retune(asr)
 
     @property
     def stream_s(self) -> float:
