@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
-from wire import get
+from wire import get, speak
 
 from duplexd.bench import scenarios as sc
-from duplexd.transport.protocol import encode_audio_frame
 
 pytestmark = pytest.mark.slow
 
@@ -26,24 +25,10 @@ async def test_a_spoken_turn_is_logged_once_and_counted_in_the_latency_histogram
     clip = clip_by_name["clip14_sb_spk2_snt2.wav"]
     audio = np.concatenate([sc.silence(0.3), sc.load(clip.path), sc.silence(4)])
     pcm = audio.astype("<i2").tobytes()
-    events: list[dict] = []
     caplog.set_level(logging.INFO, logger="duplexd.transport.server")
     async with connect(srv.url) as ws:
         await ws.send(json.dumps({"type": "session.start", "version": 1, "sample_rate": sc.RATE}))
-
-        async def read() -> None:
-            async for msg in ws:
-                if isinstance(msg, str):
-                    events.append(json.loads(msg))
-                    if events[-1]["type"] == "reply.done":
-                        return
-
-        reading = asyncio.create_task(read())
-        frame = 320 * 2
-        for seq, at in enumerate(range(0, len(pcm), frame), start=1):  # real time, as a microphone
-            await ws.send(encode_audio_frame(seq, pcm[at : at + frame]))
-            await asyncio.sleep(0.02)
-        await asyncio.wait_for(reading, 60)
+        events = await speak(ws, pcm, "reply.done", keep_talking=True)
     turn = next(e for e in events if e["type"] == "turn.ended")
     done = next(e for e in events if e["type"] == "reply.done")
     lines = [r for r in caplog.records if getattr(r, "event", None) == "turn.timing"]

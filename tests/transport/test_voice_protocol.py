@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
+from wire import speak
 
 from duplexd.bench import scenarios as sc
 from duplexd.clients.stream import stream_pcm
@@ -84,24 +85,7 @@ async def test_session_end_during_a_reply_ends_the_reply_first(make_server, clip
     async with connect(srv.url) as ws:
         await ws.send(json.dumps({"type": "session.start", "version": 1, "sample_rate": sc.RATE}))
         await _next_of(ws, "session.started")
-        events: list[dict] = []
-
-        async def read_until_reply() -> None:
-            while True:
-                msg = await ws.recv()
-                if isinstance(msg, str):
-                    events.append(json.loads(msg))
-                    if events[-1]["type"] == "reply.started":
-                        return
-
-        reading = asyncio.create_task(read_until_reply())
-        frame = 320 * 2
-        for seq, at in enumerate(range(0, len(pcm), frame), start=1):
-            if reading.done():
-                break
-            await ws.send(encode_audio_frame(seq, pcm[at : at + frame]))
-            await asyncio.sleep(0.02)
-        await asyncio.wait_for(reading, 30)
+        events = await speak(ws, pcm, "reply.started", timeout_s=30)
         reply = events[-1]["reply"]
         await ws.send(json.dumps({"type": "session.end"}))
         tail = []
