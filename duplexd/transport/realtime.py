@@ -4,11 +4,10 @@ Pure: client events in (JSON text) -> typed messages, or a `RealtimeError` shape
 event; server events out as plain dicts. `transport.realtime_session` is the shell that maps them onto the
 same `Session` + `Conversation` + workers as the native protocol (docs/protocol.md, "OpenAI Realtime").
 
-Supported client events: `session.update` (instructions, `output_modalities`, `audio.input.turn_detection`
-server_vad / null, voice and formats as long as they are PCM 24 kHz; other fields are accepted and listed in
-an `error` event with code `unsupported_parameter`, never fatal), `input_audio_buffer.append|commit|clear`,
-`conversation.item.create` (user text messages), `response.create`, `response.cancel`,
-`conversation.item.truncate`.
+Errors only where OpenAI errors: every field of the GA session and response objects is accepted. Those that
+map onto duplexd are honoured; the others are listed in `ignored` (dotted paths, only where the value asks
+for something other than what duplexd does), which the shell logs, and `session.updated` shows what is in
+effect. A client that sends OpenAI's defaults (pipecat, LiveKit Agents) gets no error and no log line.
 """
 
 from __future__ import annotations
@@ -18,11 +17,14 @@ import binascii
 import itertools
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 AUDIO_RATE = 24_000
 AUDIO_FORMAT = {"type": "audio/pcm", "rate": AUDIO_RATE}
 MODEL_NAME = "duplexd"
+MAX_METADATA_KEYS = 16  # (OpenAI's limit: 16 pairs, keys up to 64 characters, values up to 512)
+
+Eagerness = Literal["low", "medium", "high", "auto"]
 
 
 class RealtimeError(Exception):
@@ -38,9 +40,20 @@ class RealtimeError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class TurnDetection:
-    """`server_vad` (None = the client commits turns itself)."""
+    """`server_vad` or `semantic_vad` (None in `SessionSettings`: the client commits turns itself).
 
+    `server_vad`: `threshold` (VAD speech probability), `prefix_padding_ms` (audio kept before the speech
+    onset), `silence_duration_ms` (the silence that ends a turn), `idle_timeout_ms` (a response is triggered
+    after this long without speech once the last response has played). `semantic_vad`: duplexd's own
+    end of turn (silence weighed by the LLM's P(end of turn)), its silences set by `eagerness`. None: the
+    server's configured value."""
+
+    type: Literal["server_vad", "semantic_vad"] = "server_vad"
+    threshold: float | None = None
+    prefix_padding_ms: int | None = None
     silence_duration_ms: int | None = None
+    idle_timeout_ms: int | None = None
+    eagerness: Eagerness = "auto"
     create_response: bool = True
     interrupt_response: bool = True
 
@@ -51,6 +64,8 @@ class SessionSettings:
     output_modalities: tuple[str, ...] = ("audio",)
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     voice: str = "default"
+    max_output_tokens: int | None = None  # None: "inf" (the server's own reply limit)
+    tool_choice: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +73,9 @@ class SessionUpdate:
     instructions: str | None
     output_modalities: tuple[str, ...] | None
     turn_detection: TurnDetection | None | bool  # False: not given
-    unsupported: tuple[str, ...]  # dotted paths of fields accepted and ignored
+    max_output_tokens: int | None | bool  # False: not given; None: "inf"
+    tool_choice: str | None
+    ignored: tuple[str, ...]  # dotted paths of fields accepted and not honoured
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +94,11 @@ class AudioClear:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputAudioClear:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
 class UserText:
     text: str
     item_id: str | None
@@ -84,12 +106,17 @@ class UserText:
 
 @dataclass(frozen=True, slots=True)
 class ResponseCreate:
-    output_modalities: tuple[str, ...] | None
+    output_modalities: tuple[str, ...] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None | bool = False  # False: not given; None: "inf"
+    metadata: dict[str, str] | None = None
+    out_of_band: bool = False  # `conversation: "none"`, or `input` items: a context of its own
+    ignored: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ResponseCancel:
-    pass
+    response_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +126,45 @@ class ItemTruncate:
     audio_end_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class ItemRetrieve:
+    item_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ItemDelete:
+    item_id: str
+
+
 ClientEvent = (
-    SessionUpdate | AudioAppend | AudioCommit | AudioClear | UserText | ResponseCreate | ResponseCancel | ItemTruncate
+    SessionUpdate
+    | AudioAppend
+    | AudioCommit
+    | AudioClear
+    | OutputAudioClear
+    | UserText
+    | ResponseCreate
+    | ResponseCancel
+    | ItemTruncate
+    | ItemRetrieve
+    | ItemDelete
 )
 
-_SESSION_KNOWN = {"type", "instructions", "output_modalities", "audio", "model"}
 _MODALITIES = {("audio",), ("text",), ("text", "audio"), ("audio", "text")}
+_TOOL_CHOICES = ("auto", "none")  # what duplexd does without tools; "required" or a function is ignored
+# Session fields that change nothing here when they hold these values (OpenAI's own defaults, or what duplexd
+# does anyway); any other value is accepted and listed as ignored.
+_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "tools": ([],),
+    "tracing": (None, "auto"),
+    "truncation": (None, "auto"),
+    "include": (None, []),
+    "prompt": (None,),
+    "reasoning": (None,),
+    "parallel_tool_calls": (None, True, False),
+    "model": (),  # any: one model here
+    "type": (),
+}
 
 
 def parse(data: str) -> tuple[ClientEvent, str | None]:
@@ -141,18 +201,17 @@ def _parse(kind: object, msg: dict[str, Any]) -> ClientEvent:
             return AudioCommit()
         case "input_audio_buffer.clear":
             return AudioClear()
+        case "output_audio_buffer.clear":
+            return OutputAudioClear()
         case "session.update":
             return _parse_session(msg.get("session"))
         case "conversation.item.create":
             return _parse_item(msg.get("item"))
         case "response.create":
-            response = msg.get("response")
-            if response is not None and not isinstance(response, dict):
-                raise RealtimeError("invalid_value", "`response` must be an object.", param="response")
-            modalities = None if response is None else response.get("output_modalities")
-            return ResponseCreate(_modalities(modalities, "response.output_modalities") if modalities else None)
+            return _parse_response(msg.get("response"))
         case "response.cancel":
-            return ResponseCancel()
+            rid = msg.get("response_id")
+            return ResponseCancel(rid if isinstance(rid, str) else None)
         case "conversation.item.truncate":
             item_id, index, end = msg.get("item_id"), msg.get("content_index", 0), msg.get("audio_end_ms")
             if not isinstance(item_id, str) or not _int(index) or not _int(end) or end < 0:
@@ -160,6 +219,11 @@ def _parse(kind: object, msg: dict[str, Any]) -> ClientEvent:
                     "invalid_value", "`item_id` (string) and `audio_end_ms` (integer >= 0) are required."
                 )
             return ItemTruncate(item_id, index, end)
+        case "conversation.item.retrieve" | "conversation.item.delete":
+            item_id = msg.get("item_id")
+            if not isinstance(item_id, str):
+                raise RealtimeError("invalid_value", "`item_id` (string) is required.", param="item_id")
+            return ItemRetrieve(item_id) if kind == "conversation.item.retrieve" else ItemDelete(item_id)
         case str():
             raise RealtimeError("invalid_event", f"Event type {kind[:64]!r} is not supported.", param="type")
     raise RealtimeError("invalid_event", "An event needs a string `type`.", param="type")
@@ -175,6 +239,24 @@ def _modalities(value: object, param: str) -> tuple[str, ...]:
     return ("text",) if tuple(value) == ("text",) else ("audio",)
 
 
+def _max_tokens(value: object, param: str) -> int | None:
+    """`max_output_tokens`: an integer in [1, 4096] or "inf" (None)."""
+    if value == "inf" or value is None:
+        return None
+    if not _int(value) or not 1 <= value <= 4096:  # type: ignore[operator]
+        raise RealtimeError("invalid_value", f'`{param}` must be an integer in [1, 4096] or "inf".', param=param)
+    return value  # type: ignore[return-value]
+
+
+def _tool_choice(value: object, param: str, ignored: list[str]) -> str | None:
+    if value is None:
+        return None
+    if value in _TOOL_CHOICES:
+        return str(value)
+    ignored.append(f"{param}={value if isinstance(value, str) else 'function'}")
+    return None
+
+
 def _parse_session(session: object) -> SessionUpdate:
     if not isinstance(session, dict):
         raise RealtimeError("invalid_value", "`session` must be an object.", param="session")
@@ -182,7 +264,11 @@ def _parse_session(session: object) -> SessionUpdate:
         raise RealtimeError(
             "invalid_value", "Only `realtime` sessions are supported (not transcription).", param="session.type"
         )
-    unsupported = [f"session.{k}" for k in session if k not in _SESSION_KNOWN]
+    ignored: list[str] = []
+    known = {"instructions", "output_modalities", "audio", "max_output_tokens", "tool_choice"}
+    for key, value in session.items():
+        if key not in known and (key not in _NEUTRAL or (_NEUTRAL[key] and value not in _NEUTRAL[key])):
+            ignored.append(f"session.{key}")
     instructions = session.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RealtimeError("invalid_value", "`instructions` must be a string.", param="session.instructions")
@@ -204,43 +290,127 @@ def _parse_session(session: object) -> SessionUpdate:
                 "Only 24 kHz PCM16 audio ({type: audio/pcm, rate: 24000}) is supported.",
                 param=f"session.audio.{side}.format",
             )
-        known = {"format", "turn_detection", "transcription"} if side == "input" else {"format", "voice"}
-        unsupported += [f"session.audio.{side}.{k}" for k in part if k not in known]
+        for key, value in part.items():
+            path = f"session.audio.{side}.{key}"
+            match side, key:
+                case (_, "format") | ("input", "turn_detection") | ("input", "transcription") | ("output", "voice"):
+                    pass  # (transcription: duplexd always transcribes, with its own recognizer; one voice)
+                case ("input", "noise_reduction") if value is None:
+                    pass
+                case ("output", "speed") if value in (None, 1, 1.0):
+                    pass
+                case _:
+                    ignored.append(path)
         if side == "input" and "turn_detection" in part:
-            detection = _parse_detection(part["turn_detection"], unsupported)
+            detection = _parse_detection(part["turn_detection"], ignored)
+    max_tokens: int | None | bool = False
+    if "max_output_tokens" in session:
+        max_tokens = _max_tokens(session["max_output_tokens"], "session.max_output_tokens")
     return SessionUpdate(
         instructions,
         _modalities(modalities, "session.output_modalities") if modalities is not None else None,
         detection,
-        tuple(unsupported),
+        max_tokens,
+        _tool_choice(session.get("tool_choice"), "session.tool_choice", ignored),
+        tuple(ignored),
     )
 
 
-def _parse_detection(td: object, unsupported: list[str]) -> TurnDetection | None:
+def _parse_detection(td: object, ignored: list[str]) -> TurnDetection | None:
     if td is None:
         return None
+    param = "session.audio.input.turn_detection"
     if not isinstance(td, dict) or td.get("type") not in ("server_vad", "semantic_vad"):
         raise RealtimeError(
             "invalid_value",
-            "`turn_detection` must be null or {type: server_vad, ...}.",
-            param="session.audio.input.turn_detection",
+            "`turn_detection` must be null, {type: server_vad, ...} or {type: semantic_vad, ...}.",
+            param=param,
         )
-    if td["type"] == "semantic_vad":  # duplexd's endpointer already weighs how complete the words are
-        unsupported.append("session.audio.input.turn_detection.type=semantic_vad (server_vad used)")
-    silence = td.get("silence_duration_ms")
-    if silence is not None and (not _int(silence) or not 0 <= silence <= 10_000):
+    kind = td["type"]
+    fields = (
+        ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms")
+        if kind == "server_vad"
+        else ("eagerness",)
+    )
+    for key in td:
+        if key not in ("type", "create_response", "interrupt_response", *fields):
+            ignored.append(f"{param}.{key}")
+    threshold = td.get("threshold") if kind == "server_vad" else None
+    if threshold is not None and (not isinstance(threshold, int | float) or not 0.0 <= threshold <= 1.0):
+        raise RealtimeError("invalid_value", "`threshold` must be a number in [0, 1].", param=f"{param}.threshold")
+    ms: dict[str, int | None] = {}
+    for key, top in (("prefix_padding_ms", 10_000), ("silence_duration_ms", 10_000), ("idle_timeout_ms", 3_600_000)):
+        value = td.get(key) if kind == "server_vad" else None
+        if value is not None and (not _int(value) or not 0 <= value <= top):
+            raise RealtimeError("invalid_value", f"`{key}` must be an integer in [0, {top}].", param=f"{param}.{key}")
+        ms[key] = value
+    eagerness = td.get("eagerness") or "auto"
+    if kind == "semantic_vad" and eagerness not in ("low", "medium", "high", "auto"):
+        raise RealtimeError(
+            "invalid_value", "`eagerness` must be low, medium, high or auto.", param=f"{param}.eagerness"
+        )
+    for key in ("create_response", "interrupt_response"):
+        if td.get(key) is not None and not isinstance(td.get(key), bool):
+            raise RealtimeError("invalid_value", f"`{key}` must be a boolean.", param=f"{param}.{key}")
+    return TurnDetection(
+        type=kind,
+        threshold=None if threshold is None else float(threshold),
+        prefix_padding_ms=ms["prefix_padding_ms"],
+        silence_duration_ms=ms["silence_duration_ms"],
+        idle_timeout_ms=ms["idle_timeout_ms"] or None,
+        eagerness=eagerness,
+        create_response=td.get("create_response") is not False,
+        interrupt_response=td.get("interrupt_response") is not False,
+    )
+
+
+def _parse_response(response: object) -> ResponseCreate:
+    if response is None:
+        return ResponseCreate()
+    if not isinstance(response, dict):
+        raise RealtimeError("invalid_value", "`response` must be an object.", param="response")
+    ignored: list[str] = []
+    for key, value in response.items():
+        if key in ("output_modalities", "instructions", "max_output_tokens", "metadata", "conversation", "input"):
+            continue
+        if key == "tool_choice":
+            _tool_choice(value, "response.tool_choice", ignored)
+        elif key == "audio":
+            voice = value.get("output", {}).get("voice") if isinstance(value, dict) else None
+            if voice is None and isinstance(value, dict) and value.get("output", {}).get("format") is None:
+                continue
+            ignored.append("response.audio")  # one voice, 24 kHz PCM
+        elif key not in _NEUTRAL or (_NEUTRAL[key] and value not in _NEUTRAL[key]):
+            ignored.append(f"response.{key}")
+    modalities = response.get("output_modalities")
+    instructions = response.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RealtimeError("invalid_value", "`instructions` must be a string.", param="response.instructions")
+    metadata = response.get("metadata")
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or len(metadata) > MAX_METADATA_KEYS
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items()
+        )
+    ):
         raise RealtimeError(
             "invalid_value",
-            "`silence_duration_ms` must be an integer in [0, 10000].",
-            param="session.audio.input.turn_detection.silence_duration_ms",
+            "`metadata` must map at most 16 string keys (up to 64 characters) to strings (up to 512).",
+            param="response.metadata",
         )
-    for key in td:
-        if key not in ("type", "silence_duration_ms", "create_response", "interrupt_response"):
-            unsupported.append(f"session.audio.input.turn_detection.{key}")
-    return TurnDetection(
-        silence_duration_ms=silence,
-        create_response=bool(td.get("create_response", True)),
-        interrupt_response=bool(td.get("interrupt_response", True)),
+    conversation = response.get("conversation", "auto")
+    if conversation is not None and not isinstance(conversation, str):
+        raise RealtimeError("invalid_value", '`conversation` must be "auto" or "none".', param="response.conversation")
+    return ResponseCreate(
+        output_modalities=_modalities(modalities, "response.output_modalities") if modalities else None,
+        instructions=instructions,
+        max_output_tokens=_max_tokens(response["max_output_tokens"], "response.max_output_tokens")
+        if "max_output_tokens" in response
+        else False,
+        metadata=dict(metadata) if metadata is not None else None,
+        out_of_band=conversation == "none" or response.get("input") is not None,
+        ignored=tuple(ignored),
     )
 
 
@@ -277,8 +447,40 @@ class Ids:
         return f"{prefix}_{next(self._counter)}"
 
 
-def session_object(session_id: str, s: SessionSettings) -> dict[str, Any]:
-    td = s.turn_detection
+@dataclass(frozen=True, slots=True)
+class VadDefaults:
+    """The server's own values, shown where a `server_vad` leaves a field out."""
+
+    threshold: float
+    prefix_padding_ms: int
+    silence_duration_ms: int
+
+
+def turn_detection_object(td: TurnDetection | None, defaults: VadDefaults) -> dict[str, Any] | None:
+    if td is None:
+        return None
+    if td.type == "semantic_vad":
+        return {
+            "type": "semantic_vad",
+            "eagerness": td.eagerness,
+            "create_response": td.create_response,
+            "interrupt_response": td.interrupt_response,
+        }
+    return {
+        "type": "server_vad",
+        "threshold": defaults.threshold if td.threshold is None else td.threshold,
+        "prefix_padding_ms": defaults.prefix_padding_ms if td.prefix_padding_ms is None else td.prefix_padding_ms,
+        "silence_duration_ms": defaults.silence_duration_ms
+        if td.silence_duration_ms is None
+        else td.silence_duration_ms,
+        "idle_timeout_ms": td.idle_timeout_ms,
+        "create_response": td.create_response,
+        "interrupt_response": td.interrupt_response,
+    }
+
+
+def session_object(session_id: str, s: SessionSettings, defaults: VadDefaults) -> dict[str, Any]:
+    """The session as it is in effect (`session.created`, `session.updated`)."""
     return {
         "type": "realtime",
         "object": "realtime.session",
@@ -287,21 +489,16 @@ def session_object(session_id: str, s: SessionSettings) -> dict[str, Any]:
         "output_modalities": list(s.output_modalities),
         "instructions": s.instructions,
         "tools": [],
-        "tool_choice": "auto",
-        "max_output_tokens": "inf",
+        "tool_choice": s.tool_choice,
+        "max_output_tokens": "inf" if s.max_output_tokens is None else s.max_output_tokens,
+        "tracing": None,
+        "truncation": "auto",
         "audio": {
             "input": {
                 "format": AUDIO_FORMAT,
                 "transcription": {"model": "whisper-tiny.en"},
                 "noise_reduction": None,
-                "turn_detection": None
-                if td is None
-                else {
-                    "type": "server_vad",
-                    "silence_duration_ms": td.silence_duration_ms,
-                    "create_response": td.create_response,
-                    "interrupt_response": td.interrupt_response,
-                },
+                "turn_detection": turn_detection_object(s.turn_detection, defaults),
             },
             "output": {"format": AUDIO_FORMAT, "voice": s.voice, "speed": 1.0},
         },

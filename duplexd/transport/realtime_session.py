@@ -14,13 +14,20 @@ limits) that reads OpenAI client events and writes OpenAI server events instead 
                                      response.done (completed, or cancelled on barge-in / response.cancel)
 
 Audio goes out paced as on the native path (at most `audio_lead_ms` ahead of real-time playback: a Realtime
-client sends no playback reports); `conversation.item.truncate` tells the server where playback stopped.
+client sends no playback reports); `conversation.item.truncate` tells the server where playback stopped, for
+the response in progress or the last one (its audio may still play after `response.done`).
+
+The conversation's items (user turns, typed messages, responses) are kept, at most `MAX_ITEMS`, for
+`conversation.item.retrieve`, `.delete` and `.truncate`. Fields duplexd accepts and does not honour are logged
+once per update (never an `error`: clients end their session on errors OpenAI would not send).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -44,7 +51,15 @@ from duplexd.transport import realtime as rt
 from duplexd.transport.server import CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, _Closing, _Connection
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
+log = logging.getLogger(__name__)
+
 COMMIT_SILENCE_S = 0.7  # `input_audio_buffer.commit`: silence appended so the recognizer finalizes the words
+# Errors that answer a race with the server (a cancel as the response ends, a response.create as one starts):
+# clients ignore them, and they do not count towards `max_errors` (a long session has many barge-ins).
+RACES = frozenset({"response_cancel_not_active", "conversation_already_has_active_response"})
+MAX_ITEMS = 256  # conversation items kept for retrieve / delete / truncate (the oldest are forgotten)
+# semantic_vad `eagerness`: factors on the server's end-of-turn silences (min: a complete sentence, max: not)
+EAGERNESS = {"high": (0.5, 0.5), "medium": (1.0, 1.0), "auto": (1.0, 1.0), "low": (1.5, 2.0)}
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,8 +68,19 @@ class _Response:
     item_id: str
     reply: int
     modalities: tuple[str, ...]
+    metadata: dict[str, str] | None = None
+    max_output_tokens: int | None = None
     text: str = ""
     audio_ms: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Pending:
+    """`response.create`'s parameters, for the response it starts."""
+
+    modalities: tuple[str, ...] | None
+    metadata: dict[str, str] | None
+    max_output_tokens: int | None
 
 
 class RealtimeConnection(_Connection):
@@ -68,9 +94,16 @@ class RealtimeConnection(_Connection):
         self._previous_item: str | None = None
         self._utt_sent: dict[int, int] = {}  # utterance -> words already sent as transcription deltas
         self._response: _Response | None = None
-        self._next_modalities: tuple[str, ...] | None = None  # response.create's, for the next response
+        self._next: _Pending | None = None  # response.create's, for the next response
         self._commit_pending = False
         self._in_seq = 0
+        self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> the item as last reported
+        self._item_reply: dict[str, int] = {}  # assistant item id -> its reply
+        self._item_audio_ms: dict[str, float] = {}  # assistant item id -> its audio sent
+        self._idle_since: float | None = None  # (idle_timeout_ms) since the last response played out
+        self._responded = False  # a response has ended (the idle timeout counts only after one)
+        t = server.config
+        self._vad_defaults = rt.VadDefaults(t.vad.threshold, round(1000 * t.asr.preroll_s), t.turn.min_silence_ms)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -93,7 +126,7 @@ class RealtimeConnection(_Connection):
         return {
             "type": "session.created",
             "event_id": self.ids.new("event"),
-            "session": rt.session_object(self.session.id, self.settings),
+            "session": rt.session_object(self.session.id, self.settings, self._vad_defaults),
         }
 
     def _new_conversation(self) -> cv.Conversation:
@@ -115,9 +148,11 @@ class RealtimeConnection(_Connection):
         return False
 
     def _client_error(self, exc: rt.RealtimeError) -> None:
+        self._rt_error(exc)
+        if exc.code in RACES:
+            return  # (not a client's fault: it could not know)
         self.server.counters["protocol_errors"] += 1
         self.errors += 1
-        self._rt_error(exc)
         if self.errors >= self.server.config.transport.max_errors:
             self._rt_error(rt.RealtimeError(ErrorCode.TOO_MANY_ERRORS.value, "Too many invalid events."))
             raise _Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
@@ -146,48 +181,95 @@ class RealtimeConnection(_Connection):
                 conv.clear()
                 self._user_item = None
                 self._ev("input_audio_buffer.cleared")
+            case rt.OutputAudioClear():
+                r = self._response
+                if r is not None:
+                    self._dispatch(conv.cancel())
+                    self._ev("output_audio_buffer.cleared", response_id=r.id)
             case rt.UserText(text=text, item_id=item_id):
                 self._settle_reply()
                 if conv.replying:
                     raise rt.RealtimeError(
                         "conversation_already_has_active_response",
-                        "Wait for the response to finish (or cancel it) before adding items.",
+                        "Conversation already has an active response in progress. Wait until the response is "
+                        "finished before adding items.",
                         event_id=event_id,
                     )
                 self._user_text_item(item_id or self.ids.new("item"), text)
                 self._dispatch(conv.user_text(text))
-            case rt.ResponseCreate(output_modalities=modalities):
-                self._settle_reply()
-                if conv.replying:
+            case rt.ResponseCreate():
+                self._respond(event, event_id)
+            case rt.ResponseCancel(response_id=rid):
+                r = self._response
+                if r is None or (rid is not None and rid != r.id):
                     raise rt.RealtimeError(
-                        "conversation_already_has_active_response",
-                        "A response is already in progress.",
+                        "response_cancel_not_active",
+                        "Cancellation failed: no active response found",
                         event_id=event_id,
-                    )
-                self._next_modalities = modalities
-                self._dispatch(conv.respond(session.heard_s))
-            case rt.ResponseCancel():
-                if not conv.replying:
-                    raise rt.RealtimeError(
-                        "response_cancel_not_active", "There is no response in progress.", event_id=event_id
                     )
                 self._dispatch(conv.cancel())
             case rt.ItemTruncate(item_id=item_id, content_index=index, audio_end_ms=end_ms):
-                r = self._response
-                if r is None or r.item_id != item_id:
+                self._truncate(item_id, index, end_ms, event_id)
+            case rt.ItemRetrieve(item_id=item_id):
+                item = self._items.get(item_id)
+                if item is None:
                     raise rt.RealtimeError(
-                        "invalid_value", f"Item {item_id!r} is not the response in progress.", event_id=event_id
+                        "item_retrieve_invalid_item_id",
+                        f"Item with item_id not found: {item_id[:64]}",
+                        param="item_id",
+                        event_id=event_id,
                     )
-                self._truncate(end_ms)
-                self.send(
-                    {
-                        "type": "conversation.item.truncated",
-                        "event_id": self.ids.new("event"),
-                        "item_id": item_id,
-                        "content_index": index,
-                        "audio_end_ms": end_ms,
-                    }
-                )
+                self._ev("conversation.item.retrieved", item=item)
+            case rt.ItemDelete(item_id=item_id):
+                self._delete(item_id, event_id)
+
+    def _respond(self, event: rt.ResponseCreate, event_id: str | None) -> None:
+        session, conv = self.session, self.conversation
+        assert session is not None and conv is not None
+        if event.ignored or event.instructions is not None and event.instructions != self.settings.instructions:
+            ignored = [*event.ignored]
+            if event.instructions is not None and event.instructions != self.settings.instructions:
+                ignored.append("response.instructions")  # (one LLM context, its system prompt set at its start)
+            log.info("session %s: response.create: not honoured here: %s", session.id, ", ".join(ignored))
+        max_tokens = self.settings.max_output_tokens if event.max_output_tokens is False else event.max_output_tokens
+        assert max_tokens is None or isinstance(max_tokens, int)
+        if event.out_of_band:
+            self._out_of_band(event, max_tokens)
+            return
+        self._settle_reply()
+        if conv.replying:
+            raise rt.RealtimeError(
+                "conversation_already_has_active_response",
+                "Conversation already has an active response in progress. Wait until the response is finished "
+                "before creating a new one.",
+                event_id=event_id,
+            )
+        self._next = _Pending(event.output_modalities, event.metadata, max_tokens)
+        self._dispatch(conv.respond(session.heard_s, max_tokens=max_tokens))
+
+    def _out_of_band(self, event: rt.ResponseCreate, max_tokens: int | None) -> None:
+        """`conversation: "none"` (or `input` items): a response outside the conversation, which the one LLM
+        context here cannot give; it fails as a response (no `error`: OpenAI accepts the request)."""
+        r = _Response(
+            self.ids.new("resp"),
+            "",
+            0,
+            event.output_modalities or self.settings.output_modalities,
+            event.metadata,
+            max_tokens,
+        )
+        self._ev("response.created", response=self._response_object(r, "in_progress"))
+        response = self._response_object(r, "failed")
+        response["conversation_id"] = None
+        response["status_details"] = {
+            "type": "failed",
+            "error": {
+                "type": "invalid_request_error",
+                "code": "unsupported_out_of_band_response",
+                "message": "duplexd answers only in the conversation (conversation: auto, no input items).",
+            },
+        }
+        self._ev("response.done", response=response)
 
     def _settle_reply(self) -> None:
         """After `response.done` the response is over for a Realtime client, whose playback the server
@@ -215,12 +297,12 @@ class RealtimeConnection(_Connection):
             await self._run_vad(session, chunks)
 
     async def _update(self, u: rt.SessionUpdate, event_id: str | None) -> None:
-        conv, server = self.conversation, self.server
-        assert conv is not None and server.dialog is not None
-        unsupported = list(u.unsupported)
+        conv, server, session = self.conversation, self.server, self.session
+        assert conv is not None and server.dialog is not None and session is not None
+        ignored = list(u.ignored)
         if u.instructions is not None and u.instructions != self.settings.instructions:
-            if conv.turns or conv.replying or self._user_item is not None:
-                unsupported.append("session.instructions (only before the conversation starts)")
+            if conv.turns or conv.replying or self._user_item is not None or self._items:
+                ignored.append("session.instructions (only before the conversation starts)")
             else:  # a fresh LLM context with the new system prompt
                 old = self.dialog_sid
                 if old is not None:
@@ -229,51 +311,144 @@ class RealtimeConnection(_Connection):
                 self.settings.instructions = u.instructions
         if u.output_modalities is not None:
             self.settings.output_modalities = u.output_modalities
+        if u.max_output_tokens is not False:
+            assert u.max_output_tokens is None or isinstance(u.max_output_tokens, int)
+            self.settings.max_output_tokens = u.max_output_tokens
+            conv.max_reply_tokens = u.max_output_tokens
+        if u.tool_choice is not None:
+            self.settings.tool_choice = u.tool_choice
         if u.turn_detection is not False:
             td = u.turn_detection
             assert td is None or isinstance(td, rt.TurnDetection)
-            if td is not None and not td.interrupt_response:
-                unsupported.append("session.audio.input.turn_detection.interrupt_response=false")
             self.settings.turn_detection = td
             self._apply_turn_detection(conv, td)
-        if unsupported:
-            self._rt_error(
-                rt.RealtimeError(
-                    "unsupported_parameter",
-                    "Accepted, but not supported by this server (ignored): " + ", ".join(unsupported),
-                    param=unsupported[0],
-                    event_id=event_id,
-                )
+        if ignored:
+            log.info(
+                "session %s: session.update accepted; not honoured here: %s",
+                session.id,
+                ", ".join(ignored),
+                extra={"event": "realtime.ignored", "session": session.id, "fields": ignored},
             )
-        assert self.session is not None
         self.send(
             {
                 "type": "session.updated",
                 "event_id": self.ids.new("event"),
-                "session": rt.session_object(self.session.id, self.settings),
+                "session": rt.session_object(session.id, self.settings, self._vad_defaults),
             }
         )
 
     def _apply_turn_detection(self, conv: cv.Conversation, td: rt.TurnDetection | None) -> None:
+        """server_vad: the client's threshold, pre-roll and silence (fixed: min = max); semantic_vad: the
+        endpointer's own P(end of turn) and silences, scaled by eagerness."""
         conv.auto_turns = td is not None
         conv.auto_respond = td is not None and td.create_response  # (a commit waits for response.create)
-        if td is not None and td.silence_duration_ms is not None:
+        conv.barge_in = td is None or td.interrupt_response  # (without VAD the client cancels itself)
+        self._idle_since = None
+        base = self.server.config.turn
+        turn = base
+        if td is not None and td.type == "semantic_vad":
+            low, high = EAGERNESS[td.eagerness]
+            lo = round(base.min_silence_ms * low)
             turn = dataclasses.replace(
-                self.server.config.turn, min_silence_ms=td.silence_duration_ms, max_silence_ms=td.silence_duration_ms
+                base, min_silence_ms=lo, max_silence_ms=max(lo, round(base.max_silence_ms * high))
             )
-            conv.set_turn_config(turn)
+        elif td is not None and td.silence_duration_ms is not None:
+            turn = dataclasses.replace(
+                base, min_silence_ms=td.silence_duration_ms, max_silence_ms=td.silence_duration_ms
+            )
+        conv.set_turn_config(turn)
+        if self.session is not None:
+            server_vad = td is not None and td.type == "server_vad"
+            self.session.tune_vad(
+                threshold=td.threshold if server_vad and td is not None else None,
+                preroll_ms=td.prefix_padding_ms if server_vad and td is not None else None,
+            )
 
-    def _truncate(self, end_ms: int) -> None:
-        """The client stopped playing the response at `end_ms` of its audio: that is what was heard."""
-        conv, r = self.conversation, self._response
-        assert conv is not None and r is not None
-        start = conv.reply_start_sample
-        if start is not None:
-            played = start + round(end_ms * OUTPUT_SAMPLE_RATE / 1000)
-            self._reported = (min(played, self.playout.sent), time.monotonic())
-            self._dispatch(conv.played(min(played, self.playout.sent)))
-        if conv.replying:
-            self._dispatch(conv.cancel())
+    def _truncate(self, item_id: str, index: int, end_ms: int, event_id: str | None) -> None:
+        """The client stopped playing item `item_id` at `end_ms` of its audio: that is what the user heard. The
+        response in progress stops there; the last response keeps only that much in the LLM's context."""
+        conv = self.conversation
+        assert conv is not None
+        item, reply = self._items.get(item_id), self._item_reply.get(item_id)
+        if item is None or reply is None:
+            raise rt.RealtimeError(
+                "item_truncate_invalid_item_id",
+                f"Item with item_id not found or not an assistant message: {item_id[:64]}",
+                param="item_id",
+                event_id=event_id,
+            )
+        r = self._response
+        audio_ms = self._item_audio_ms.get(item_id, 0.0)
+        if (r is None or r.item_id != item_id) and end_ms > audio_ms + 1:  # (in progress: its audio is still made)
+            raise rt.RealtimeError(
+                "invalid_value",
+                f"Audio content of {round(audio_ms)}ms is already shorter than {end_ms}ms",
+                param="audio_end_ms",
+                event_id=event_id,
+            )
+        heard_samples = round(end_ms * OUTPUT_SAMPLE_RATE / 1000)
+        if conv.replying and conv.reply_start_sample is not None:  # (pacing: where the client's playback is)
+            played = min(self.playout.sent, conv.reply_start_sample + heard_samples)
+            self._reported = (played, time.monotonic())
+        cut = conv.truncate(reply, heard_samples)
+        if cut is not None:
+            heard, outputs = cut
+            self._dispatch(outputs)
+            self._set_transcript(item_id, heard)
+        else:
+            log.info("session %s: truncate of %s, an older response: its text stays in the context", self._sid, item_id)
+        self._ev("conversation.item.truncated", item_id=item_id, content_index=index, audio_end_ms=end_ms)
+
+    @property
+    def _sid(self) -> str:
+        return self.session.id if self.session is not None else "-"
+
+    def _delete(self, item_id: str, event_id: str | None) -> None:
+        """Forget an item. An assistant message leaves the LLM's context (cut to nothing, as a truncate at
+        0 ms) when it is the last response; user words already read by the LLM stay in its context (the KV
+        cannot drop a turn from the middle), which is logged."""
+        conv, session = self.conversation, self.session
+        assert conv is not None and session is not None
+        if item_id not in self._items:
+            raise rt.RealtimeError(
+                "item_delete_invalid_item_id",
+                f"Item with item_id not found: {item_id[:64]}",
+                param="item_id",
+                event_id=event_id,
+            )
+        reply = self._item_reply.pop(item_id, None)
+        if reply is not None:
+            cut = conv.truncate(reply, 0)
+            if cut is not None:
+                self._dispatch(cut[1])
+            else:
+                log.info(
+                    "session %s: deleted %s, an older response: its text stays in the context", session.id, item_id
+                )
+        else:
+            log.info("session %s: deleted user item %s: its words stay in the LLM's context", session.id, item_id)
+        del self._items[item_id]
+        if self._previous_item == item_id:
+            self._previous_item = next(reversed(self._items), None)
+        self._ev("conversation.item.deleted", item_id=item_id)
+
+    def _set_transcript(self, item_id: str, text: str) -> None:
+        item = self._items.get(item_id)
+        if item is not None and item.get("content"):
+            part = dict(item["content"][0])
+            part["transcript" if "transcript" in part else "text"] = text
+            item["content"] = [part]
+
+    def _keep_item(self, item: dict[str, Any], reply: int | None = None, audio_ms: float = 0.0) -> None:
+        if reply is not None:
+            self._item_reply[item["id"]] = reply
+            self._item_audio_ms[item["id"]] = audio_ms
+        self._items[item["id"]] = dict(item)
+        self._items.move_to_end(item["id"])
+        while len(self._items) > MAX_ITEMS:
+            old, _ = self._items.popitem(last=False)
+            self._item_reply.pop(old, None)
+            self._item_audio_ms.pop(old, None)
 
     def _maybe_commit(self) -> None:
         session, conv = self.session, self.conversation
@@ -288,6 +463,35 @@ class RealtimeConnection(_Connection):
     def _tick(self) -> None:
         super()._tick()
         self._maybe_commit()
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        """server_vad `idle_timeout_ms`: no speech for that long once the last response has played out
+        -> `input_audio_buffer.timeout_triggered`, an empty user turn, and a response."""
+        session, conv, td = self.session, self.conversation, self.settings.turn_detection
+        if session is None or conv is None or td is None or td.idle_timeout_ms is None or not self._responded:
+            return
+        now = time.monotonic()
+        if conv.replying or self._user_item is not None or self._commit_pending:
+            self._idle_since = None
+            return
+        if self._idle_since is None:
+            self._idle_since = now
+            return
+        idle_s = now - self._idle_since
+        if idle_s * 1000 < td.idle_timeout_ms:
+            return
+        self._idle_since = None
+        self._user_item = self.ids.new("item")
+        end_ms = round(1000 * session.heard_s)
+        self._ev(
+            "input_audio_buffer.timeout_triggered",
+            audio_start_ms=max(0, end_ms - round(1000 * idle_s)),
+            audio_end_ms=end_ms,
+            item_id=self._user_item,
+        )
+        self._next = _Pending(None, None, self.settings.max_output_tokens)
+        self._dispatch(conv.respond(session.heard_s, max_tokens=self.settings.max_output_tokens))
 
     # -- server events -----------------------------------------------------------------------------------
 
@@ -304,6 +508,7 @@ class RealtimeConnection(_Connection):
             self.send(
                 {"type": kind, "event_id": self.ids.new("event"), "previous_item_id": self._previous_item, "item": item}
             )
+        self._keep_item(item)
         self._previous_item = item_id
 
     def _ev(self, kind: str, **fields: Any) -> None:
@@ -400,18 +605,23 @@ class RealtimeConnection(_Connection):
         )
         item["content"] = [{"type": "input_audio", "transcript": text}]
         self._ev("conversation.item.done", previous_item_id=self._previous_item, item=item)
+        self._keep_item(item)
         self._previous_item = item_id
 
     def _response_started(self, reply: int) -> None:
         ids = self.ids
-        modalities = self._next_modalities or self.settings.output_modalities
-        self._next_modalities = None
-        r = self._response = _Response(ids.new("resp"), ids.new("item"), reply, modalities)
+        pending, self._next = self._next, None
+        if pending is None:  # (a reply of server VAD)
+            pending = _Pending(None, None, self.settings.max_output_tokens)
+        modalities = pending.modalities or self.settings.output_modalities
+        r = _Response(ids.new("resp"), ids.new("item"), reply, modalities, pending.metadata, pending.max_output_tokens)
+        self._response = r
         self.text_only = modalities == ("text",)
         self._ev("response.created", response=self._response_object(r, "in_progress"))
         item = self._item(r, "in_progress", [])
         self._ev("response.output_item.added", response_id=r.id, output_index=0, item=item)
         self._ev("conversation.item.added", previous_item_id=self._previous_item, item=item)
+        self._keep_item(item, reply)
         self._ev("response.content_part.added", **self._part_ids(r), part=self._part(r))
 
     def _send_token(self, reply: int, text: str) -> None:
@@ -434,6 +644,8 @@ class RealtimeConnection(_Connection):
         if r is None or r.reply != reply:
             return
         self._response = None
+        if status == "completed" and self.conversation is not None and self.conversation.capped(reply):
+            status, reason = "incomplete", "max_output_tokens"
         part = self._part_ids(r)
         r.text = text
         if self.text_only:
@@ -445,10 +657,12 @@ class RealtimeConnection(_Connection):
         item = self._item(r, "completed" if status == "completed" else "incomplete", [self._content(r)])
         self._ev("response.output_item.done", response_id=r.id, output_index=0, item=item)
         self._ev("conversation.item.done", previous_item_id=self._previous_item, item=item)
+        self._keep_item(item, reply, r.audio_ms)
         self._previous_item = r.item_id
+        self._responded = True
         response = self._response_object(r, status, [item])
         if reason is not None:
-            response["status_details"] = {"type": "cancelled", "reason": reason}
+            response["status_details"] = {"type": status, "reason": reason}
         self._ev("response.done", response=response)
 
     def _response_object(self, r: _Response, status: str, output: list[Any] | None = None) -> dict[str, Any]:
@@ -459,6 +673,8 @@ class RealtimeConnection(_Connection):
             "output": output or [],
             "output_modalities": list(r.modalities),
             "audio": {"output": {"format": rt.AUDIO_FORMAT, "voice": self.settings.voice}},
+            "max_output_tokens": "inf" if r.max_output_tokens is None else r.max_output_tokens,
+            "metadata": r.metadata,
         }
 
     def _item(self, r: _Response, status: str, content: list[Any]) -> dict[str, Any]:

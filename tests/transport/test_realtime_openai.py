@@ -63,7 +63,7 @@ async def test_the_official_client_streams_speech_and_gets_transcripts_text_and_
                 "type": "realtime",
                 "instructions": "You are a helpful assistant. Answer in one short sentence.",
                 "output_modalities": ["audio"],
-                "tools": [],  # accepted, reported as unsupported, not fatal
+                "tools": [],  # what duplexd has: accepted, no error
                 "audio": {
                     "input": {
                         "format": {"type": "audio/pcm", "rate": 24000},
@@ -74,8 +74,7 @@ async def test_the_official_client_streams_speech_and_gets_transcripts_text_and_
             }
         )
         await events.pump(conn, lambda e: "session.updated" in e.kinds())
-        (unsupported,) = events.of("error")
-        assert unsupported["error"]["code"] == "unsupported_parameter" and "tools" in unsupported["error"]["message"]
+        assert events.of("error") == []  # (clients end their session on an error OpenAI would not send)
         updated = events.of("session.updated")[0]["session"]
         assert updated["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 800
 
