@@ -107,17 +107,22 @@ class Loudspeaker(BaseOutputTransport):
 
     def __init__(self) -> None:
         super().__init__(TransportParams(audio_out_enabled=True, audio_out_sample_rate=RATE_HZ))
-        self.played_bytes = 0
+        self.played_bytes: list[int] = []  # per stretch of bot speech (from each BotStartedSpeakingFrame)
         self._until = 0.0
 
     async def start(self, frame: StartFrame) -> None:
         await super().start(frame)
         await self.set_transport_ready(frame)
 
+    async def push_frame(self, frame: Frame, direction: FrameDirection = FrameDirection.DOWNSTREAM) -> None:
+        if isinstance(frame, BotStartedSpeakingFrame) and direction == FrameDirection.DOWNSTREAM:
+            self.played_bytes.append(0)
+        await super().push_frame(frame, direction)
+
     async def write_audio_frame(self, frame: OutputAudioRawFrame) -> bool:
         now = time.monotonic()
         self._until = max(self._until, now) + len(frame.audio) / (2 * frame.sample_rate * frame.num_channels)
-        self.played_bytes += len(frame.audio)
+        self.played_bytes[-1] += len(frame.audio)
         await asyncio.sleep(self._until - now)
         return True
 
@@ -211,13 +216,13 @@ async def test_pipecat_realtime_service_drives_typed_spoken_follow_up_and_barge_
     assert not tap.errors(), tap.summary()
     assert not frames.of(ErrorFrame) and not pipecat_errors, (frames.of(ErrorFrame), pipecat_errors)
 
-    # What duplexd answered, on the wire: five responses, the fourth cut by the barge-in.
+    # What duplexd answered, on the wire: five responses. The fourth was cut by the barge-in while it played: the
+    # server may have finished it by then (its audio runs ahead of playback), or cancelled it.
     done = [e["response"] for e in tap.of("response.done")]
-    assert [r["status"] for r in done] == ["completed", "completed", "completed", "cancelled", "completed"], (
-        tap.summary()
-    )
-    # (pipecat truncates the reply on the server's speech_started, racing the server's own cancel)
-    assert done[3]["status_details"]["reason"] in ("turn_detected", "client_cancelled")
+    assert [r["status"] for r in done[:3] + done[4:]] == ["completed"] * 4 and len(done) == 5, tap.summary()
+    if done[3]["status"] != "completed":
+        # (pipecat truncates the reply on the server's speech_started, racing the server's own cancel)
+        assert done[3]["status_details"]["reason"] in ("turn_detected", "client_cancelled"), done[3]
     created = [e for e in tap.of("conversation.item.create", "client")]
     assert created and created[0]["item"]["content"][0]["text"] == TYPED
     heard = [e["transcript"] for e in tap.of("conversation.item.input_audio_transcription.completed")]
@@ -234,12 +239,14 @@ async def test_pipecat_realtime_service_drives_typed_spoken_follow_up_and_barge_
         else:
             assert audio_by_response[r["id"]] > 0, r["id"]
 
-    # The barge-in: pipecat interrupted its playback and told the server what was heard of the reply.
+    # The barge-in: pipecat cut its playback of the fourth reply and told the server what was heard of it.
     assert frames.of(InterruptionFrame)
     cut_item = done[3]["output"][0]["id"]
-    (truncate,) = [e for e in tap.of("conversation.item.truncate", "client") if e["item_id"] == cut_item]
-    assert truncate["audio_end_ms"] * RATE_HZ * 2 // 1000 <= audio_by_response[done[3]["id"]]
-    assert any(e["item_id"] == truncate["item_id"] for e in tap.of("conversation.item.truncated"))
+    truncates = [e for e in tap.of("conversation.item.truncate", "client") if e["item_id"] == cut_item]
+    assert truncates, tap.summary()  # (pipecat may send a second, shorter one: audio that came after the first)
+    assert truncates[0]["audio_end_ms"] * RATE_HZ * 2 // 1000 <= speaker.played_bytes[3] + RATE_HZ * 2 // 10
+    assert speaker.played_bytes[3] < audio_by_response[done[3]["id"]]
+    assert any(e["item_id"] == cut_item for e in tap.of("conversation.item.truncated"))
 
     # All of it reached pipecat, as pipecat's own frames: transcripts, text, audio, played and bracketed by speaking.
     assert [f.text for f in frames.of(TranscriptionFrame, llm)] == heard
@@ -252,4 +259,6 @@ async def test_pipecat_realtime_service_drives_typed_spoken_follow_up_and_barge_
         for k in (BotStartedSpeakingFrame, BotStoppedSpeakingFrame)
     ]
     assert spoke == [5, 5]
-    assert speaker.played_bytes > RATE_HZ * 2 * 2.5
+    # Played in real time to the end, the replies nobody talked over (the first, third and last).
+    for i in (0, 2, 4):
+        assert speaker.played_bytes[i] >= audio_by_response[done[i]["id"]], (i, speaker.played_bytes)
