@@ -56,7 +56,9 @@ log = logging.getLogger(__name__)
 COMMIT_SILENCE_S = 0.7  # `input_audio_buffer.commit`: silence appended so the recognizer finalizes the words
 # Errors that answer a race with the server (a cancel as the response ends, a response.create as one starts):
 # clients ignore them, and they do not count towards `max_errors` (a long session has many barge-ins).
-RACES = frozenset({"response_cancel_not_active", "conversation_already_has_active_response"})
+RACES = frozenset(
+    {"response_cancel_not_active", "conversation_already_has_active_response", "input_audio_buffer_commit_empty"}
+)
 MAX_ITEMS = 256  # conversation items kept for retrieve / delete / truncate (the oldest are forgotten)
 # semantic_vad `eagerness`: factors on the server's end-of-turn silences (min: a complete sentence, max: not)
 EAGERNESS = {"high": (0.5, 0.5), "medium": (1.0, 1.0), "auto": (1.0, 1.0), "low": (1.5, 2.0)}
@@ -169,9 +171,11 @@ class RealtimeConnection(_Connection):
             case rt.SessionUpdate():
                 await self._update(event, event_id)
             case rt.AudioCommit():
-                if conv.auto_turns:
+                if conv.auto_turns and self._user_item is None:  # (with VAD: the server committed it already)
                     raise rt.RealtimeError(
-                        "invalid_value", "With server_vad, turns are committed by the server.", event_id=event_id
+                        "input_audio_buffer_commit_empty",
+                        "Error committing input audio buffer: no speech since the last commit.",
+                        event_id=event_id,
                     )
                 self._commit_pending = True
                 silence = np.zeros(int(COMMIT_SILENCE_S * rt.AUDIO_RATE), "<i2").tobytes()
@@ -453,6 +457,9 @@ class RealtimeConnection(_Connection):
     def _maybe_commit(self) -> None:
         session, conv = self.session, self.conversation
         if not self._commit_pending or session is None or conv is None:
+            return
+        if conv.auto_turns and self._user_item is None:
+            self._commit_pending = False  # the endpointer ended the turn first
             return
         if session.asr_settled and conv.text_settled:
             self._commit_pending = False

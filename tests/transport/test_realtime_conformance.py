@@ -162,6 +162,8 @@ async def test_clients_first_updates_are_honoured_without_errors(make_server) ->
             await wire.send({"type": "response.cancel"})
         await wire.send({"type": "session.update", "session": {"type": "realtime"}})
         await wire.until("session.updated")
+        await wire.send({"type": "input_audio_buffer.commit"})  # (VAD, no speech: nothing to commit)
+        assert (await wire.until("error"))["error"]["code"] == "input_audio_buffer_commit_empty"
         await wire.send({"type": "conversation.item.retrieve", "item_id": "nope", "event_id": "rci_nope"})
         error = (await wire.until("error"))["error"]
         assert error["code"] == "item_retrieve_invalid_item_id" and error["event_id"] == "rci_nope"
