@@ -150,6 +150,10 @@ async def test_the_transcript_keeps_only_the_heard_part(llm_url: str) -> None:
         {"role": "assistant", "content": heard},
         {"role": "user", "content": TURNS[2]},
     ]
+    # Cut again after the user's next words (a Realtime client's later truncate): they follow what is left.
+    one = engine.tokenizer.decode(engine.reply_tokens(sid)[:1])
+    engine.interrupt(sid, 1)
+    assert engine.history(sid)[-2:] == [{"role": "assistant", "content": one}, {"role": "user", "content": TURNS[2]}]
     engine.close(sid)
 
 
