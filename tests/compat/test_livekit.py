@@ -141,10 +141,11 @@ class Records(logging.Handler):
 
 
 @pytest.mark.xfail(
-    strict=True,
-    reason="server (issue 18): the plugin's default session fields (semantic_vad, noise_reduction, tracing, "
-    "max_output_tokens, tool_choice, speed, tools) get error events, which the plugin logs as errors; "
-    "response.created does not carry response.create's metadata, so generate_reply times out after 10 s",
+    strict=False,  # a race: the test passes when LiveKit's response.create beats the server's own reply
+    reason="server (issue 18): a typed user item (conversation.item.create) joins the open voice turn and, under "
+    "server VAD, the endpointer ends that turn on the microphone's silence and replies by itself (metadata null) "
+    "~50-150 ms later; LiveKit's response.create after the item's ack then gets "
+    "conversation_already_has_active_response and generate_reply fails (logged at ERROR)",
 )
 async def test_livekit_agent_session_drives_spoken_barge_in_and_generate_reply_turns(make_server, clip_by_name) -> None:
     srv = await make_server()

@@ -149,12 +149,6 @@ class Frames(BaseObserver):
             await asyncio.sleep(0.02)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server (issue 18): session.update fields OpenAI accepts (pipecat sends tools: []) get an error event, "
-    "which pipecat takes as the end of the session; conversation.item.truncate of the reply being played (pipecat's "
-    "barge-in) is refused with item_truncate_invalid_item_id",
-)
 async def test_pipecat_realtime_service_drives_typed_spoken_follow_up_and_barge_in_turns(
     make_server, clip_by_name
 ) -> None:
