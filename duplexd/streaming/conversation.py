@@ -270,8 +270,10 @@ class Conversation:
             return []
         return [AppendUserText(text, self._versions)]
 
-    def user_text(self, text: str) -> list[Output]:
-        """A typed user message: its words join the user's turn (and the LLM's context) now."""
+    def user_text(self, text: str, *, own_turn_at: float | None = None) -> list[Output]:
+        """A typed user message: its words join the user's turn (and the LLM's context) now. `own_turn_at`
+        (stream seconds): the message is a whole turn, ended there without a reply (a Realtime item: only
+        `respond` answers it; the endpointer must not take the microphone's silence as its end)."""
         texts = text.split()
         if not texts or self._reply is not None:
             return []
@@ -279,7 +281,10 @@ class Conversation:
         joined = self._continuation(texts)
         self._turn_words.extend(texts)
         self._versions += 1
-        return [*out, AppendUserText(joined, self._versions)]
+        out.append(AppendUserText(joined, self._versions))
+        if own_turn_at is not None:
+            out += self._end_turn(own_turn_at, 0.0, None, reply=False)
+        return out
 
     def commit(self, stream_s: float) -> list[Output]:
         """The client says the user's turn is over (with `auto_turns` off): its words go to the LLM and

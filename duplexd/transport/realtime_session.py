@@ -200,7 +200,9 @@ class RealtimeConnection(_Connection):
                         event_id=event_id,
                     )
                 self._user_text_item(item_id or self.ids.new("item"), text)
-                self._dispatch(conv.user_text(text))
+                # A whole turn that waits for response.create, unless the user is speaking (it joins that turn).
+                own = session.heard_s if self._user_item is None else None
+                self._dispatch(conv.user_text(text, own_turn_at=own))
             case rt.ResponseCreate():
                 self._respond(event, event_id)
             case rt.ResponseCancel(response_id=rid):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from test_conversation import SR, new, of, start_reply, stream_reply, voice_all, words
 
 from duplexd.streaming import conversation as cv
-from duplexd.streaming.events import ReplyDone, ReplyInterrupted, TranscriptUpdated
+from duplexd.streaming.events import ReplyDone, ReplyInterrupted, TranscriptUpdated, TurnEnded
 
 TEXT = "Paris is the capital of France. It is a big city."  # pieces: "Paris is the" (1 s), the rest (1 s each)
 
@@ -80,3 +80,14 @@ def test_without_barge_in_the_users_words_wait_for_the_next_turn() -> None:
     conv.audio_sent(reply)
     out = conv.played(10 * SR)
     assert [a.text for a in of(out, cv.AppendUserText)] == ["wait no stop"]
+
+
+def test_a_typed_turn_of_its_own_waits_for_respond_whatever_the_silence() -> None:
+    conv = new()
+    out = conv.user_text("Hello there", own_turn_at=3.0)
+    assert [a.text for a in of(out, cv.AppendUserText)] == ["Hello there"]
+    (turn,) = of(out, TurnEnded)
+    assert turn.text == "Hello there" and not of(out, cv.StartReply)
+    assert conv.tick(stream_s=9.0, silence_ms=5000, asr_settled=True) == []  # the microphone's silence
+    (start,) = of(conv.respond(9.0), cv.StartReply)
+    assert start.reply == turn.turn  # the reply answers that turn, no empty one in between
