@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -140,75 +142,80 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
-@pytest.mark.xfail(
-    strict=False,  # a race: the test passes when LiveKit's response.create beats the server's own reply
-    reason="server (issue 18): a typed user item (conversation.item.create) joins the open voice turn and, under "
-    "server VAD, the endpointer ends that turn on the microphone's silence and replies by itself (metadata null) "
-    "~50-150 ms later; LiveKit's response.create after the item's ack then gets "
-    "conversation_already_has_active_response and generate_reply fails (logged at ERROR)",
-)
+@dataclass
+class Session:
+    """One AgentSession on the realtime plugin, through the relay, with what it reported."""
+
+    agent_session: AgentSession
+    agent: Agent
+    mic: Microphone
+    speaker: Loudspeaker
+    tap: WireTap
+    errors_logged: Records = field(default_factory=Records)
+    session_errors: list[object] = field(default_factory=list)
+    heard: list[str] = field(default_factory=list)
+    said: list[llm.ChatMessage] = field(default_factory=list)
+
+    def assert_no_error(self) -> None:
+        assert not self.tap.errors(), self.tap.summary()
+        logged = [r.getMessage() for r in self.errors_logged.records]
+        assert not logged and not self.session_errors, (logged, self.session_errors)
+
+
+@contextlib.asynccontextmanager
+async def livekit_session(port: int, name: str) -> AsyncIterator[Session]:
+    tap = WireTap(port)
+    async with tap.running():
+        model = RealtimeModel(api_key="not-checked", base_url=f"ws://127.0.0.1:{tap.port}/v1")
+        s = Session(AgentSession(llm=model), Agent(instructions=INSTRUCTIONS), Microphone(), Loudspeaker(), tap)
+        s.agent_session.input.audio = s.mic
+        s.agent_session.output.audio = s.speaker
+        s.agent_session.on("error", lambda ev: s.session_errors.append(ev.error))
+        s.agent_session.on("user_input_transcribed", lambda ev: ev.is_final and s.heard.append(ev.transcript))
+        s.agent_session.on(
+            "conversation_item_added",
+            lambda ev: isinstance(ev.item, llm.ChatMessage) and ev.item.role == "assistant" and s.said.append(ev.item),
+        )
+        logging.getLogger("livekit").addHandler(s.errors_logged)
+        device = asyncio.create_task(s.speaker.play())
+        try:
+            await s.agent_session.start(s.agent, record=False)
+            yield s
+        finally:
+            await s.agent_session.aclose()
+            await model.aclose()
+            device.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await device
+            logging.getLogger("livekit").removeHandler(s.errors_logged)
+            tap.write_trace(name)
+
+
 async def test_livekit_agent_session_drives_spoken_barge_in_and_generate_reply_turns(make_server, clip_by_name) -> None:
     srv = await make_server()
     clips = {name: pcm24(sc.load(clip_by_name[name].path)) for name in (SPOKEN, INTERRUPTED, BARGE_IN)}
-    errors_logged = Records()
-    logging.getLogger("livekit").addHandler(errors_logged)
-    tap = WireTap(srv.port)
-    session_errors: list[object] = []
-    heard: list[str] = []
-    said: list[llm.ChatMessage] = []
     generations: list[tuple[float, bool]] = []
-    try:
-        async with tap.running():
-            model = RealtimeModel(api_key="not-checked", base_url=f"ws://127.0.0.1:{tap.port}/v1")
-            session = AgentSession(llm=model)
-            mic, speaker = Microphone(), Loudspeaker()
-            session.input.audio = mic
-            session.output.audio = speaker
-            session.on("error", lambda ev: session_errors.append(ev.error))
-            session.on("user_input_transcribed", lambda ev: ev.is_final and heard.append(ev.transcript))
-            session.on(
-                "conversation_item_added",
-                lambda ev: (
-                    isinstance(ev.item, llm.ChatMessage) and ev.item.role == "assistant" and said.append(ev.item)
-                ),
-            )
-            device = asyncio.create_task(speaker.play())
-            try:
-                agent = Agent(instructions=INSTRUCTIONS)
-                await session.start(agent, record=False)
-                agent.realtime_llm_session.on(
-                    "generation_created", lambda ev: generations.append((time.monotonic(), ev.user_initiated))
-                )
-                # 1. spoken
-                await mic.say(clips[SPOKEN])
-                await tap.wait_for("response.done", 1)
-                await speaker.wait(finished=1)
-                # 2. a question, then the user talks over the reply
-                await mic.say(clips[INTERRUPTED])
-                await speaker.wait(started=2)
-                await asyncio.sleep(0.3)
-                await mic.say(clips[BARGE_IN])
-                await tap.wait_for("response.done", 3)
-                await speaker.wait(finished=3)
-                # 3. typed, answered through generate_reply
-                asked_at = time.monotonic()
-                handle = session.generate_reply(user_input=TYPED)
-                await asyncio.wait_for(handle.wait_for_playout(), 60)
-            finally:
-                await session.aclose()
-                await model.aclose()
-                device.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await device
-    finally:
-        logging.getLogger("livekit").removeHandler(errors_logged)
-        tap.write_trace("livekit")
-
-    assert not tap.errors(), tap.summary()
-    assert not errors_logged.records and not session_errors, (
-        [r.getMessage() for r in errors_logged.records],
-        session_errors,
-    )
+    async with livekit_session(srv.port, "livekit") as s:
+        s.agent.realtime_llm_session.on(
+            "generation_created", lambda ev: generations.append((time.monotonic(), ev.user_initiated))
+        )
+        # 1. spoken
+        await s.mic.say(clips[SPOKEN])
+        await s.tap.wait_for("response.done", 1)
+        await s.speaker.wait(finished=1)
+        # 2. a question, then the user talks over the reply
+        await s.mic.say(clips[INTERRUPTED])
+        await s.speaker.wait(started=2)
+        await asyncio.sleep(0.3)
+        await s.mic.say(clips[BARGE_IN])
+        await s.tap.wait_for("response.done", 3)
+        await s.speaker.wait(finished=3)
+        # 3. typed, answered through generate_reply (the microphone stays live, and quiet)
+        asked_at = time.monotonic()
+        handle = s.agent_session.generate_reply(user_input=TYPED)
+        await asyncio.wait_for(handle.wait_for_playout(), 60)
+    tap, speaker = s.tap, s.speaker
+    s.assert_no_error()
 
     # What duplexd answered, on the wire: four responses, the second cut by the barge-in while it played.
     done = [e["response"] for e in tap.of("response.done")]
@@ -230,14 +237,12 @@ async def test_livekit_agent_session_drives_spoken_barge_in_and_generate_reply_t
             assert audio_by_response[r["id"]] > 0, r["id"]
 
     # The session heard the user and said the replies: transcripts, text and audio, played by the loudspeaker.
-    assert heard == transcribed
-    assert [m.interrupted for m in said] == [False, True, False, False]
-    assert [said[i].text_content for i in (0, 2, 3)] == [
-        done[i]["output"][0]["content"][0]["transcript"] for i in (0, 2, 3)
-    ]
+    assert s.heard == transcribed
+    assert [m.interrupted for m in s.said] == [False, True, False, False]
+    whole = (0, 2, 3)  # the replies nobody talked over: played in real time to the end
+    assert [s.said[i].text_content for i in whole] == [done[i]["output"][0]["content"][0]["transcript"] for i in whole]
     assert [f.interrupted for f in speaker.finished] == [False, True, False, False]
-    # Played in real time to the end, the replies nobody talked over; the second cut short.
-    for i in (0, 2, 3):
+    for i in whole:
         assert speaker.finished[i].playback_position >= audio_by_response[done[i]["id"]] / (2 * RATE_HZ) - 0.05, i
     assert speaker.finished[1].playback_position < audio_by_response[done[1]["id"]] / (2 * RATE_HZ)
 
@@ -250,8 +255,11 @@ async def test_livekit_agent_session_drives_spoken_barge_in_and_generate_reply_t
         e["item_id"] == cut_item for e in tap.of("conversation.item.truncated") + tap.of("conversation.item.deleted")
     )
 
-    # generate_reply: the typed message went in as an item, and its response was acknowledged within a second.
+    # generate_reply: the typed message went in as an item, and its response was acknowledged (`response.created`
+    # carrying the request's metadata back) within a second, then answered and played.
     (typed,) = [e for e in tap.of("conversation.item.create", "client") if e["item"].get("role") == "user"]
     assert typed["item"]["content"][0]["text"] == TYPED
     (reply_at,) = [t for t, user_initiated in generations if user_initiated]
     assert reply_at - asked_at < 1.0
+    (request,) = tap.of("response.create", "client")
+    assert done[3]["metadata"] == request["response"]["metadata"]

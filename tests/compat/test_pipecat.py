@@ -18,7 +18,13 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+# Importing pipecat swaps `asyncio.wait_for` for `wait_for2.wait_for` process-wide (on Python < 3.12), and
+# collection imports this module before any test runs: every other test of the session would run duplexd on
+# pipecat's wait_for (seen: a CancelledWithResultError out of a server's idle-timeout wait). pipecat gets its
+# own only while its test runs.
+_ASYNCIO_WAIT_FOR = asyncio.wait_for
 pytest.importorskip("pipecat.services.openai.realtime.llm")
+_PIPECAT_WAIT_FOR, asyncio.wait_for = asyncio.wait_for, _ASYNCIO_WAIT_FOR
 
 from loguru import logger  # noqa: E402
 from pipecat.frames.frames import (  # noqa: E402
@@ -51,6 +57,12 @@ from wiretap import RATE_HZ, WireTap, pcm24  # noqa: E402
 
 from duplexd.bench import scenarios as sc  # noqa: E402
 from duplexd.bench.data import wer  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _pipecat_s_wait_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(asyncio, "wait_for", _PIPECAT_WAIT_FOR)
+
 
 FRAME_S = 0.02
 INSTRUCTIONS = "You are a helpful assistant. Answer in a few words."

@@ -20,7 +20,7 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-TRACE_ENV = "DUPLEXD_WIRE_TRACE"  # a path: the session's wire trace is written there as JSON lines
+TRACE_ENV = "DUPLEXD_WIRE_TRACE"  # a folder: each session's wire trace is written there as <session>.jsonl
 RATE_HZ = 24000  # the OpenAI Realtime protocol's PCM16 rate, which both frameworks use
 # OpenAI's service answers a `response.cancel` that finds nothing to cancel with this error too, and both frameworks
 # expect it (pipecat logs it at debug level; LiveKit drops errors whose message starts "Cancellation failed"): they
@@ -118,12 +118,12 @@ class WireTap:
         return lines
 
     def write_trace(self, name: str) -> Path | None:
-        """Write the whole trace where `DUPLEXD_WIRE_TRACE` says, if it is set (runs of audio messages folded into
-        one line each: first time, count, bytes)."""
-        target = os.environ.get(TRACE_ENV)
-        if not target:
+        """If `DUPLEXD_WIRE_TRACE` names a folder, write the whole trace there as `<name>.jsonl`, one message a line
+        (audio folded: between two other messages, one line per sender's audio with its count and bytes)."""
+        folder = os.environ.get(TRACE_ENV)
+        if not folder:
             return None
-        path = Path(target)
+        path = Path(folder) / f"{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", encoding="utf-8") as fh:
             fh.write(json.dumps({"session": name, "messages": len(self.messages)}) + "\n")
