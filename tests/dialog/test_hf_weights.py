@@ -352,7 +352,10 @@ def test_engine_runs_hf_folders_like_transformers(case: str, tmp_path: Path) -> 
             model(torch.tensor([tokens]))[0], ref(torch.tensor([tokens])).logits[0], atol=LOGIT_ATOL, rtol=0
         )
 
-    engine = DialogEngine(model, tok, EngineConfig(max_sessions=1, max_reply_tokens=8))
+    # Plain greedy decoding, as transformers' generate: the reply guard (its own tests) is off here, or the
+    # random tiny model's repeated tokens would be banned where transformers repeats them.
+    unguarded = {"no_repeat_ngram_tokens": 0, "no_copy_ngram_tokens": 0, "max_reply_sentences": 0}
+    engine = DialogEngine(model, tok, EngineConfig(max_sessions=1, max_reply_tokens=8, **unguarded))
     chat = [{"role": "system", "content": "Be brief."}, MESSAGES[0]]
     sid = engine.open(chat[0]["content"])
     engine.append_user_text(sid, chat[1]["content"])
