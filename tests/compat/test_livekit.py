@@ -203,7 +203,8 @@ async def test_livekit_agent_session_drives_spoken_barge_in_and_generate_reply_t
         await s.mic.say(clips[SPOKEN])
         await s.tap.wait_for("response.done", 1)
         await s.speaker.wait(finished=1)
-        # 2. a question, then the user talks over the reply
+        # 2. a question, then the user talks over the reply (not the first reply: LiveKit sends silence instead of
+        # the user for the first 3 s the agent speaks in a session, its aec_warmup_duration)
         await s.mic.say(clips[INTERRUPTED])
         await s.speaker.wait(started=2)
         await asyncio.sleep(0.3)

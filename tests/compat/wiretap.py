@@ -119,7 +119,7 @@ class WireTap:
 
     def write_trace(self, name: str) -> Path | None:
         """If `DUPLEXD_WIRE_TRACE` names a folder, write the whole trace there as `<name>.jsonl`, one message a line
-        (audio folded: between two other messages, one line per sender's audio with its count and bytes)."""
+        (audio folded: between two other messages, one line per sender's audio with its count, bytes and peak)."""
         folder = os.environ.get(TRACE_ENV)
         if not folder:
             return None
@@ -133,15 +133,17 @@ class WireTap:
 
 
 def _without_audio(event: dict) -> dict:
+    """Audio as its size in bytes, and its loudest sample (`peak`: silence is 0)."""
     field = AUDIO_FIELDS.get(event.get("type", ""))
     if field and isinstance(event.get(field), str):
-        return {**event, field: len(base64.b64decode(event[field]))}
+        pcm = np.frombuffer(base64.b64decode(event[field]), "<i2")
+        return {**event, field: pcm.nbytes, "peak": int(np.abs(pcm.astype(np.int32)).max(initial=0))}
     return event
 
 
 def _folded(messages: list[Message]) -> list[dict]:
     """One row per message, except audio: between two other messages, one row per sender's audio (first time,
-    last time, count, bytes)."""
+    last time, count, bytes, loudest sample)."""
     rows: list[dict] = []
     runs: dict[tuple[str, str], dict] = {}
     for m in messages:
@@ -149,14 +151,15 @@ def _folded(messages: list[Message]) -> list[dict]:
             runs.clear()
             rows.append({"t_s": round(m.t_s, 3), "from": m.sender, "type": m.type, "event": m.event})
             continue
-        size = m.event[AUDIO_FIELDS[m.type]]
+        size, peak = m.event[AUDIO_FIELDS[m.type]], m.event.get("peak", 0)
         if run := runs.get((m.sender, m.type)):
             run["count"] += 1
             run["bytes"] += size
+            run["peak"] = max(run["peak"], peak)
             run["until_s"] = round(m.t_s, 3)
         else:
             runs[m.sender, m.type] = {"t_s": round(m.t_s, 3), "from": m.sender, "type": m.type, "count": 1}
-            runs[m.sender, m.type].update(bytes=size, until_s=round(m.t_s, 3))
+            runs[m.sender, m.type].update(bytes=size, peak=peak, until_s=round(m.t_s, 3))
             rows.append(runs[m.sender, m.type])
     return rows
 
