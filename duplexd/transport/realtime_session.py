@@ -87,6 +87,7 @@ class _Pending:
 
 class RealtimeConnection(_Connection):
     numbered = False
+    reports_playback = False
 
     def __init__(self, server: Any, ws: Any) -> None:
         super().__init__(server, ws)

@@ -527,6 +527,7 @@ class _Connection:
     audio it may not have received; everything else it would have sent waits in the bounded queue."""
 
     numbered = True  # native events carry `n` and are kept for a resume (Realtime has no resume)
+    reports_playback = True  # the client says what it has played (`playback`); Realtime clients never do
 
     def __init__(self, server: Server, ws: ServerConnection) -> None:
         self.server = server
@@ -977,7 +978,12 @@ class _Connection:
         now = time.monotonic()
         if self._reported is not None:
             samples, at = self._reported
-            return min(self.playout.sent, samples + int((now - at) * OUTPUT_SAMPLE_RATE))
+            played = min(self.playout.sent, samples + int((now - at) * OUTPUT_SAMPLE_RATE))
+            if played == self.playout.sent and not self.reports_playback:
+                # Played to the end: from here the client waits. No report will correct the estimate, so
+                # the wait must not count as playing, or the next reply would go out that much too fast.
+                self._reported = (played, now)
+            return played
         self._virtual = min(self.playout.sent, self._virtual + int((now - self._virtual_at) * OUTPUT_SAMPLE_RATE))
         self._virtual_at = now
         return self._virtual

@@ -57,6 +57,7 @@ from wiretap import RATE_HZ, WireTap, pcm24  # noqa: E402
 
 from duplexd.bench import scenarios as sc  # noqa: E402
 from duplexd.bench.data import wer  # noqa: E402
+from duplexd.config import ServerConfig  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -244,6 +245,17 @@ async def test_pipecat_realtime_service_drives_typed_spoken_follow_up_and_barge_
             assert audio_by_response[r["id"]] > RATE_HZ * 2 * 0.5, r["id"]  # half a second of reply, at least
         else:
             assert audio_by_response[r["id"]] > 0, r["id"]
+
+    # Paced as a person hears it: each reply nobody cut went out over its own length, less the lead the server
+    # keeps ahead of playback (it went out faster and faster after a truncate, the idle time between replies
+    # counted as played).
+    lead_s = ServerConfig().transport.audio_lead_ms / 1000
+    for r in (done[0], done[1], done[2], done[4]):
+        sent_at = [
+            m.t_s for m in tap.messages if m.type == "response.output_audio.delta" and m.event["response_id"] == r["id"]
+        ]
+        audio_s = audio_by_response[r["id"]] / (RATE_HZ * 2)
+        assert sent_at[-1] - sent_at[0] >= audio_s - lead_s - 0.5, (r["id"], sent_at[-1] - sent_at[0], audio_s)
 
     # The barge-in: pipecat cut its playback of the fourth reply and told the server what was heard of it.
     assert frames.of(InterruptionFrame)
