@@ -227,15 +227,7 @@ async def test_livekit_agent_session_drives_spoken_barge_in_and_generate_reply_t
     transcribed = [e["transcript"] for e in tap.of("conversation.item.input_audio_transcription.completed")]
     for name, text in zip((SPOKEN, INTERRUPTED, BARGE_IN), transcribed, strict=True):
         assert wer([clip_by_name[name].text], [text]) <= 0.4, (name, text)
-    audio_by_response: dict[str, int] = {}
-    for e in tap.of("response.output_audio.delta"):
-        audio_by_response[e["response_id"]] = audio_by_response.get(e["response_id"], 0) + e["delta"]
-    for r in done:  # every reply was heard: a whole sentence, or (the one cut short) a start, whatever its words
-        if r["status"] == "completed":
-            assert r["output"][0]["content"][0]["transcript"].strip(), r
-            assert audio_by_response[r["id"]] > RATE_HZ * 2 * 0.5, r["id"]  # half a second of reply, at least
-        else:
-            assert audio_by_response[r["id"]] > 0, r["id"]
+    audio_by_response = tap.check_replies_heard(done)
 
     # The session heard the user and said the replies: transcripts, text and audio, played by the loudspeaker.
     assert s.heard == transcribed

@@ -236,15 +236,7 @@ async def test_pipecat_realtime_service_drives_typed_spoken_follow_up_and_barge_
     assert len(heard) == 4, heard
     for name, text in zip((SPOKEN, FOLLOW_UP, INTERRUPTED, BARGE_IN), heard, strict=True):
         assert wer([clip_by_name[name].text], [text]) <= 0.4, (name, text)
-    audio_by_response: dict[str, int] = {}
-    for e in tap.of("response.output_audio.delta"):
-        audio_by_response[e["response_id"]] = audio_by_response.get(e["response_id"], 0) + e["delta"]
-    for r in done:  # every reply was heard: a whole sentence, or (the one cut short) a start, whatever its words
-        if r["status"] == "completed":
-            assert r["output"][0]["content"][0]["transcript"].strip(), r
-            assert audio_by_response[r["id"]] > RATE_HZ * 2 * 0.5, r["id"]  # half a second of reply, at least
-        else:
-            assert audio_by_response[r["id"]] > 0, r["id"]
+    audio_by_response = tap.check_replies_heard(done)
 
     # Paced as a person hears it: each reply nobody cut went out over its own length, less the lead the server
     # keeps ahead of playback (it went out faster and faster after a truncate, the idle time between replies

@@ -91,6 +91,25 @@ class WireTap:
         """The error events a client would not get from OpenAI's service in the same place."""
         return [e for e in self.of("error") if e["error"].get("code") not in EXPECTED_ERRORS]
 
+    def audio_bytes(self) -> dict[str, int]:
+        """Reply audio sent, in bytes, by response id."""
+        sent: dict[str, int] = {}
+        for e in self.of("response.output_audio.delta"):
+            sent[e["response_id"]] = sent.get(e["response_id"], 0) + e["delta"]
+        return sent
+
+    def check_replies_heard(self, done: list[dict]) -> dict[str, int]:
+        """Every reply of `done` (the `response.done` responses) was heard: a completed one has words and at
+        least half a second of audio, a cut one (whatever its words) some audio. Returns `audio_bytes()`."""
+        sent = self.audio_bytes()
+        for r in done:
+            if r["status"] == "completed":
+                assert r["output"][0]["content"][0]["transcript"].strip(), r
+                assert sent[r["id"]] > RATE_HZ * 2 * 0.5, r["id"]
+            else:
+                assert sent[r["id"]] > 0, r["id"]
+        return sent
+
     async def wait_for(self, kind: str, count: int = 1, timeout_s: float = 60.0) -> dict:
         """The `count`-th server event of this kind, once it has come; fails at once on an `error` event (the
         frameworks take one as the end of the session) or when the connection has closed."""
