@@ -49,7 +49,7 @@ from duplexd.streaming.events import (
 )
 from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
-from duplexd.streaming.timeline import Timeline
+from duplexd.streaming.timeline import Timeline, TurnTiming
 from duplexd.transport import protocol
 from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, DatagramEndpoint, new_key
 from duplexd.transport.limits import AudioRateLimit, authorized, origin_allowed
@@ -942,16 +942,16 @@ class _Connection:
             case cv.PlayAudio(reply=reply):
                 if (timing := self.timeline.audio(reply, now)) is not None:
                     self.server.metrics.turn(timing)
-            case ReplyDone(reply=reply, text=text) | ReplyInterrupted(reply=reply, heard_text=text):
-                if (
-                    timing := self.timeline.reply_ended(reply, text if isinstance(out, ReplyDone) else None)
-                ) is not None:
-                    log.info(
-                        "session %s %s",
-                        session.id,
-                        timing.summary(),
-                        extra={"event": "turn.timing", "session": session.id, **timing.fields()},
-                    )
+            case ReplyDone(reply=reply, text=text):
+                self._log_turn(session, self.timeline.reply_ended(reply, text))
+            case ReplyInterrupted(reply=reply):  # (the log keeps what was generated, not only what was heard)
+                self._log_turn(session, self.timeline.reply_ended(reply))
+
+    @staticmethod
+    def _log_turn(session: Session, timing: TurnTiming | None) -> None:
+        if timing is not None:
+            extra = {"event": "turn.timing", "session": session.id, **timing.fields()}
+            log.info("session %s %s", session.id, timing.summary(), extra=extra)
 
     def _on_tts_audio(self, reply: int, index: int, audio: np.ndarray) -> None:
         if self.conversation is not None:
