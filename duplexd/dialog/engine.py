@@ -468,6 +468,43 @@ class DialogEngine:
         _queue(session, self.tokenizer.encode(text))
         _queue(session, self.tokenizer.encode(self.format.reply_close))
 
+    def rewrite(
+        self, sid: int, system_prompt: str | None, turns: Sequence[tuple[str, str]], open_user: str = ""
+    ) -> None:
+        """Replace the conversation's whole context: `system_prompt` (None: the engine's), the finished
+        `turns` ((role, text), role "user" or "assistant", oldest first) and the words of a user turn still
+        open. For edits a KV cannot make in place (a Realtime client deleting an item, truncating an older
+        reply, per-response instructions): the session starts over from an empty window and the next steps
+        prefill it all. Raises `EngineError` while the session replies."""
+        session = self._get(sid)
+        if session.replying:
+            raise EngineError(f"dialog session {sid} is replying: its context cannot be rewritten now")
+        system = (
+            self.format.system
+            if system_prompt is None
+            else ChatFormat.from_tokenizer(self.tokenizer, system_prompt).system
+        )
+        session.window = WindowState(self.config.window)
+        session.pending.clear()
+        session.cuts.clear()
+        session.log.clear()
+        session.evicted = []
+        session.key = _chain(session.key, ("rewrite",))
+        session.user_open, session.answering, session.reply = False, (), []
+        session.user_words.clear()
+        session.p_end_of_turn = None
+        _queue(session, self.tokenizer.encode(system))
+        for role, text in turns:
+            if role == "assistant":
+                self.append_assistant_text(sid, text)
+            elif role == "user":
+                self.append_user_text(sid, (" " if session.user_open else "") + text.strip())
+            else:
+                raise ValueError(f"a turn's role is 'user' or 'assistant', not {role!r}")
+        if open_user.strip():
+            self.append_user_text(sid, (" " if session.user_open else "") + open_user.strip())
+        session.cuts = deque([len(session.pending)])  # one piece: full chunks (no draft shares its history)
+
     def interrupt(self, sid: int, heard_tokens: int) -> None:
         """Stop the reply; keep only its first `heard_tokens` tokens in the conversation.
 

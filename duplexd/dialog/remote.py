@@ -461,6 +461,35 @@ class RemoteDialogEngine:
         c.replying = True
         c.stream = self._request(c)
 
+    def rewrite(
+        self, sid: int, system_prompt: str | None, turns: Sequence[tuple[str, str]], open_user: str = ""
+    ) -> None:
+        """Replace the conversation's transcript (see `DialogEngine.rewrite`): the next request sends
+        `system_prompt` (None: the configured one), `turns` (consecutive turns of one role joined) and the
+        open user turn's words. Raises `EngineError` while the session replies."""
+        c = self._get(sid)
+        if c.replying:
+            raise EngineError(f"remote dialog session {sid} is replying: its context cannot be rewritten now")
+        history: deque[tuple[str, str]] = deque()
+        for role, text in turns:
+            if role not in ("user", "assistant"):
+                raise ValueError(f"a turn's role is 'user' or 'assistant', not {role!r}")
+            if history and history[-1][0] == role:
+                history[-1] = (role, f"{history[-1][1]} {text}".strip())
+            else:
+                history.append((role, text))
+        if history and history[0][0] == "assistant":
+            history.appendleft(("user", ""))
+        words = open_user.strip()
+        if history and history[-1][0] == "user":  # (the last user turn is still open: the reply answers it)
+            words = f"{history.pop()[1]} {words}".strip()
+        _trim(history, self.config.history_chars)
+        c.system = self.config.system_prompt if system_prompt is None else system_prompt
+        c.history = history
+        self.tokenizer.forget(c.reply)
+        c.reply, c.reply_done = [], False
+        c.user_text, c.user_open = words[-_MAX_TURN_CHARS:], bool(words)
+
     def interrupt(self, sid: int, heard_tokens: int) -> None:
         """Stop the reply (its request is cancelled); only its first `heard_tokens` pieces stay in the
         transcript. Also cuts a reply already finished, also when the user's words followed it."""

@@ -13,6 +13,7 @@ from duplexd.dialog.engine import ChatFormat, DialogEngine, EngineConfig, Unknow
 from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.kv_window import PoolFull
 from duplexd.dialog.model import Transformer
+from duplexd.errors import EngineError
 
 pytestmark = pytest.mark.slow
 
@@ -454,3 +455,36 @@ def test_each_conversation_can_have_its_own_sentence_limit(smol) -> None:
     assert len(long) == 48 and long[: len(brief)] == brief  # the same words, past the first sentence's end
     assert text(brief).rstrip().endswith((".", "!", "?")) and len(text(long)) > len(text(brief))
     assert engine.reply_tokens(draft) == long  # the draft ran as far as its conversation does
+
+
+def test_a_rewritten_context_is_the_conversation_it_describes(smol) -> None:
+    """`rewrite` replaces a conversation by another: its KV, its next reply, token for token, are those of
+    a session that lived through the described turns (here: one that asked and heard the same replies)."""
+    engine = make_engine(smol)
+    lived, first = ask(engine, QUESTIONS[0])
+    said = engine.tokenizer.decode(first)
+    engine.append_user_text(lived, "Thanks")
+    run_until_idle(engine)
+
+    edited, _ = ask(engine, QUESTIONS[2])  # (another conversation, then rewritten into the first one)
+    engine.rewrite(edited, None, [("user", QUESTIONS[0]), ("assistant", said)], open_user="Thanks")
+    assert not engine.replying(edited)
+    run_until_idle(engine)
+    assert engine.context_tokens(edited) == engine.context_tokens(lived)
+    assert engine.state_key(edited) != engine.state_key(lived)  # (keys follow history: no false draft hits)
+    for sid in (lived, edited):
+        engine.start_reply(sid)
+    replies = run_until_idle(engine)
+    assert replies[edited] == replies[lived] and replies[lived]
+
+    # Another system prompt, a turn left out: the context is exactly what the turns render.
+    engine.rewrite(edited, "You are terse.", [("user", QUESTIONS[1])])
+    run_until_idle(engine)
+    expected = ChatFormat.from_tokenizer(engine.tokenizer, "You are terse.").system + engine.format.user_open
+    assert engine.tokenizer.decode(engine.context_tokens(edited)) == expected + QUESTIONS[1]
+
+    engine.start_reply(edited)
+    with pytest.raises(EngineError):  # (not while it replies)
+        engine.rewrite(edited, None, [])
+    with pytest.raises(ValueError):
+        engine.rewrite(lived, None, [("tool", "x")])

@@ -432,3 +432,33 @@ async def test_a_repeating_or_long_remote_reply_ends_there() -> None:
         async with server:
             assert await _reply(remote_engine(url, max_reply_sentences=sentences)) == expected
     assert RemoteConfig(url="http://h/v1", model="m").max_reply_sentences == DialogConfig().max_reply_sentences
+
+
+def test_a_rewritten_transcript_is_what_the_next_request_sends() -> None:
+    engine = remote_engine("http://127.0.0.1:9")  # (no request is made)
+    sid = engine.open()
+    engine.append_user_text(sid, "Hello there")
+    engine.rewrite(
+        sid,
+        "Be brief.",
+        [("user", "One"), ("user", "two"), ("assistant", "Yes."), ("assistant", "Sure.")],
+        open_user=" and three ",
+    )
+    assert engine.history(sid) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "One two"},  # (turns of one role in a row: one message)
+        {"role": "assistant", "content": "Yes. Sure."},
+        {"role": "user", "content": "and three"},
+    ]
+    engine.rewrite(sid, None, [("assistant", "Welcome.")])  # (a transcript starts with the user)
+    assert engine.history(sid) == [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": "Welcome."},
+    ]
+    engine.rewrite(sid, None, [("user", "Hi."), ("assistant", "Hello."), ("user", "Bye.")])
+    engine.append_user_text(sid, " Now.")  # (the last user turn is open: the words join it, as locally)
+    assert engine.history(sid)[-1] == {"role": "user", "content": "Bye. Now."}
+    with pytest.raises(ValueError):
+        engine.rewrite(sid, None, [("tool", "x")])
+    engine.close(sid)
