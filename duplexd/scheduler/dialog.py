@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -27,14 +27,14 @@ from duplexd.dialog.engine import Priority
 from duplexd.dialog.kv_window import PoolFull
 from duplexd.dialog.speculation import Draft, HypothesisPool
 from duplexd.errors import Overloaded
-from duplexd.streaming.conversation import AppendUserText, DraftReply, InterruptReply, StartReply
+from duplexd.streaming.conversation import AppendUserText, DraftReply, InterruptReply, ReplaceContext, StartReply
 
 log = logging.getLogger(__name__)
 
 _YIELD_POLL_S = 0.01
 _DRAFT_SHOWN_AT = 6  # reply tokens: a first spoken piece (two words, or a short clause) is in them
 
-DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply
+DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply | ReplaceContext
 
 
 class LlmEngine(Protocol):
@@ -72,6 +72,9 @@ class LlmEngine(Protocol):
     def p_end_of_turn(self, sid: int) -> float | None: ...
     def start_reply(self, sid: int) -> None: ...
     def interrupt(self, sid: int, heard_tokens: int) -> None: ...
+    def rewrite(
+        self, sid: int, system_prompt: str | None, turns: Sequence[tuple[str, str]], open_user: str = ""
+    ) -> None: ...
     def step(self) -> Any: ...
 
 
@@ -283,6 +286,13 @@ class DialogWorker:
                 if entry.last_reply == reply:
                     engine.interrupt(sid, heard)  # also cuts a reply whose generation has finished
                     entry.reply = None
+            case ReplaceContext(system_prompt=prompt, turns=turns, open_user=open_user):
+                if entry.reply is not None:  # (the conversation sends it between replies only)
+                    log.warning("session %d: context not replaced: a reply is in progress", sid)
+                    return
+                self._drop(self._pool.clear(sid))  # drafts of the old context
+                engine.rewrite(sid, prompt if prompt is not None else self._system_prompt, turns, open_user)
+                entry.last_reply = None  # (nothing left to cut: the new context holds what was heard)
 
     def _draft(self, sid: int, entry: _Entry, text: str) -> None:
         """Fork the conversation and start its reply as if the user's turn ended after `text`."""

@@ -66,6 +66,16 @@ class InterruptReply:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplaceContext:
+    """The LLM's context becomes exactly this: a system prompt (None: the default), finished (role, text)
+    turns, and the words of the user's open turn that had reached it (see `Conversation.replace_context`)."""
+
+    system_prompt: str | None
+    turns: tuple[tuple[str, str], ...]
+    open_user: str
+
+
+@dataclass(frozen=True, slots=True)
 class Synthesize:
     reply: int
     index: int
@@ -106,6 +116,7 @@ Command = (
     | StartReply
     | DraftReply
     | InterruptReply
+    | ReplaceContext
     | Synthesize
     | PrefetchSpeech
     | PlayAudio
@@ -554,14 +565,15 @@ class Conversation:
         """The client played only the first `heard_samples` of reply `reply`'s audio (a Realtime
         `conversation.item.truncate`). The reply in progress stops there, as on a cancel; the last reply that
         ended keeps only those tokens in the LLM context (the engine cuts it, also when the user's words
-        followed it). Returns the text heard and the commands, or None for a reply not kept here (older)."""
+        followed it). Returns the text heard and the commands, or None for a reply not kept here (older, or
+        the last one while another is in progress)."""
         r = self._reply
         if r is not None and r.number == reply:
             out = self._interrupt("cancel", heard_samples)
             heard = next((o.heard_text for o in out if isinstance(o, ReplyInterrupted)), "")
             return heard, out
         r = self._spoken
-        if r is None or r.number != reply:
+        if r is None or r.number != reply or self._reply is not None:  # (a later reply has begun since)
             return None
         kept = len(r.token_ends) if r.kept_tokens is None else r.kept_tokens
         heard_chars = self._heard_chars(r, max(0, min(heard_samples, r.samples)))
@@ -571,6 +583,18 @@ class Conversation:
             return heard_text, []  # the context holds no more than that already
         r.kept_tokens = heard_tokens
         return heard_text, [InterruptReply(r.number, heard_tokens)]
+
+    def replace_context(self, system_prompt: str | None, turns: list[tuple[str, str]]) -> list[Output]:
+        """Give the LLM a new context (a Realtime client edited its conversation): `turns` are the finished
+        turns as the client now has them; the open turn's words that reached the LLM follow them. Returns []
+        while a reply is in progress (the shell retries when it ends). The last reply can no longer be cut by
+        `truncate` afterwards: the new context holds it as the client reported it."""
+        if self._reply is not None:
+            return []
+        held = sum(len(a.text.split()) for a in self._held_appends)
+        open_words = self._turn_words[: len(self._turn_words) - held]
+        self._spoken = None
+        return [ReplaceContext(system_prompt, tuple(turns), " ".join(open_words))]
 
     def set_turn_config(self, turn: TurnConfig) -> None:
         """New endpointing settings (a Realtime `session.update`), from the next decision on."""

@@ -896,6 +896,8 @@ class _Connection:
             match out:
                 case cv.AppendUserText() | cv.StartReply() | cv.DraftReply() | cv.InterruptReply():
                     server.dialog.submit(self.dialog_sid, out)
+                case cv.ReplaceContext():
+                    server.dialog.submit(self.dialog_sid, out)
                 case cv.Synthesize(reply=reply, index=index) if self.text_only:
                     self._on_tts_audio(reply, index, np.zeros(0, np.float32))  # a text-only reply: no speech
                 case cv.Synthesize(reply=reply, index=index, text=text):
