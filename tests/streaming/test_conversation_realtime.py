@@ -91,3 +91,29 @@ def test_a_typed_turn_of_its_own_waits_for_respond_whatever_the_silence() -> Non
     assert conv.tick(stream_s=9.0, silence_ms=5000, asr_settled=True) == []  # the microphone's silence
     (start,) = of(conv.respond(9.0), cv.StartReply)
     assert start.reply == turn.turn  # the reply answers that turn, no empty one in between
+
+
+def test_a_replaced_context_carries_the_open_turns_words_that_reached_the_llm() -> None:
+    conv = new()
+    reply = finished(conv)
+    turns = [("user", "What is the capital of France?"), ("assistant", "Paris.")]
+    assert conv.replace_context("Be brief.", turns) == [cv.ReplaceContext("Be brief.", tuple(turns), "")]
+    assert conv.truncate(reply, SR) is None  # (the new context holds the reply as reported: nothing to cut)
+    conv.observe([TranscriptUpdated(2, words("and Spain"), 2)])
+    (rebuilt,) = conv.replace_context(None, turns)
+    assert rebuilt.open_user == "and Spain"  # the words already in the LLM follow the turns
+    # Words held for the client's commit (turn detection off) have not reached the LLM: not carried.
+    conv.auto_turns = False
+    conv.observe([TranscriptUpdated(3, words("or Italy"), 2)])
+    assert conv.replace_context(None, turns)[0].open_user == "and Spain"
+    out = conv.commit(9.0)
+    assert [a.text for a in of(out, cv.AppendUserText)] == [" or Italy"] and of(out, cv.StartReply)
+    # During a reply: nothing (the shell rebuilds when it ends).
+    assert conv.replying and conv.replace_context(None, turns) == []
+
+
+def test_a_later_reply_in_progress_leaves_the_last_one_uncut() -> None:
+    conv = new()
+    first = finished(conv)
+    assert of(conv.user_text("And Spain?") + conv.respond(10.0), cv.StartReply)
+    assert conv.truncate(first, 0) is None  # (the worker cuts only its last reply: the shell rebuilds)
