@@ -23,6 +23,7 @@ AUDIO_RATE = 24_000
 AUDIO_FORMAT = {"type": "audio/pcm", "rate": AUDIO_RATE}
 MODEL_NAME = "duplexd"
 MAX_METADATA_KEYS = 16  # (OpenAI's limit: 16 pairs, keys up to 64 characters, values up to 512)
+MAX_INPUT_ITEMS = 256  # `response.input` items (the conversation keeps as many)
 
 Eagerness = Literal["low", "medium", "high", "auto"]
 
@@ -99,9 +100,16 @@ class OutputAudioClear:
 
 
 @dataclass(frozen=True, slots=True)
-class UserText:
+class ItemCreate:
+    """`conversation.item.create`. A message's `role` (user, assistant, system) and words (typed text, or an
+    audio part's transcript); any other item (a function call, its output) has role None and is kept as
+    given. `item` is the item as it will be reported (its id still to be given when the client sent none)."""
+
+    item: dict[str, Any]
+    role: str | None
     text: str
     item_id: str | None
+    previous_item_id: str | None = None  # None: after the last item; "root": before the first
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +119,7 @@ class ResponseCreate:
     max_output_tokens: int | None | bool = False  # False: not given; None: "inf"
     metadata: dict[str, str] | None = None
     out_of_band: bool = False  # `conversation: "none"`, or `input` items: a context of its own
+    input: tuple[ItemCreate | str, ...] | None = None  # the context given (items, or ids of the conversation's)
     ignored: tuple[str, ...] = ()
 
 
@@ -142,7 +151,7 @@ ClientEvent = (
     | AudioCommit
     | AudioClear
     | OutputAudioClear
-    | UserText
+    | ItemCreate
     | ResponseCreate
     | ResponseCancel
     | ItemTruncate
@@ -206,7 +215,10 @@ def _parse(kind: object, msg: dict[str, Any]) -> ClientEvent:
         case "session.update":
             return _parse_session(msg.get("session"))
         case "conversation.item.create":
-            return _parse_item(msg.get("item"))
+            previous = msg.get("previous_item_id")
+            if previous is not None and not isinstance(previous, str):
+                raise RealtimeError("invalid_value", "`previous_item_id` must be a string.", param="previous_item_id")
+            return _parse_item(msg.get("item"), previous)
         case "response.create":
             return _parse_response(msg.get("response"))
         case "response.cancel":
@@ -410,27 +422,68 @@ def _parse_response(response: object) -> ResponseCreate:
         else False,
         metadata=dict(metadata) if metadata is not None else None,
         out_of_band=conversation == "none" or response.get("input") is not None,
+        input=_parse_input(response.get("input")),
         ignored=tuple(ignored),
     )
 
 
-def _parse_item(item: object) -> UserText:
-    if not isinstance(item, dict) or item.get("type") != "message" or item.get("role") != "user":
+def _parse_input(value: object) -> tuple[ItemCreate | str, ...] | None:
+    """`response.input`: items, or `item_reference`s to the conversation's items (by id)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_INPUT_ITEMS:
         raise RealtimeError(
-            "invalid_value", "Only user messages can be created (type message, role user).", param="item"
+            "invalid_value", f"`input` must be a list of at most {MAX_INPUT_ITEMS} items.", param="response.input"
         )
+    out: list[ItemCreate | str] = []
+    for item in value:
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            if not isinstance(item.get("id"), str):
+                raise RealtimeError("invalid_value", "An `item_reference` needs a string `id`.", param="response.input")
+            out.append(item["id"])
+        else:
+            out.append(_parse_item(item, None))
+    return tuple(out)
+
+
+# Message content parts by role, and the field that holds each part's words.
+_PARTS = {
+    "user": {"input_text": "text", "input_audio": "transcript", "input_image": None},
+    "system": {"input_text": "text"},
+    "assistant": {"output_text": "text", "output_audio": "transcript", "text": "text", "audio": "transcript"},
+}
+
+
+def _parse_item(item: object, previous_item_id: str | None) -> ItemCreate:
+    if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+        raise RealtimeError("invalid_value", "`item` must be an object with a string `type`.", param="item")
+    item_id = item.get("id") if isinstance(item.get("id"), str) else None
+    if item["type"] != "message":  # (function calls and their outputs: kept; tools come with function calling)
+        return ItemCreate(dict(item), None, "", item_id, previous_item_id)
+    role = item.get("role")
+    if role not in _PARTS:
+        raise RealtimeError("invalid_value", "`item.role` must be user, assistant or system.", param="item.role")
     content = item.get("content")
     if not isinstance(content, list) or not content:
         raise RealtimeError("invalid_value", "`item.content` must be a non-empty list.", param="item.content")
-    texts = []
+    texts, parts = [], []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") != "input_text" or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _PARTS[role]:
+            allowed = ", ".join(_PARTS[role])
             raise RealtimeError(
-                "invalid_value", "Only `input_text` content is supported in items.", param="item.content"
+                "invalid_value", f"`item.content` of a {role} message holds {allowed} parts.", param="item.content"
             )
-        texts.append(part["text"])
-    item_id = item.get("id") if isinstance(item.get("id"), str) else None
-    return UserText(" ".join(texts), item_id)
+        assert isinstance(part, dict)
+        field = _PARTS[role][kind]
+        words = part.get(field) if field is not None else None
+        if words is not None and not isinstance(words, str):
+            raise RealtimeError("invalid_value", f"`{kind}.{field}` must be a string.", param="item.content")
+        if words:
+            texts.append(words)
+        parts.append({k: v for k, v in part.items() if k not in ("audio", "image_url")})  # (not kept: size)
+    kept = {**item, "content": parts}
+    return ItemCreate(kept, role, " ".join(texts), item_id, previous_item_id)
 
 
 # -- server events ----------------------------------------------------------------------------------------

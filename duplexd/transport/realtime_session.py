@@ -24,6 +24,7 @@ once per update (never an `error`: clients end their session on errors OpenAI wo
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -60,6 +61,10 @@ RACES = frozenset(
     {"response_cancel_not_active", "conversation_already_has_active_response", "input_audio_buffer_commit_empty"}
 )
 MAX_ITEMS = 256  # conversation items kept for retrieve / delete / truncate (the oldest are forgotten)
+# A context rebuilt from the items (after an edit the KV cannot make in place) holds the newest turns up to
+# this many characters (~2k tokens: more than the KV window keeps, and a bounded prefill).
+MAX_CONTEXT_CHARS = 8000
+MAX_OUT_OF_BAND = 4  # out-of-band responses in progress at once (each holds a dialog session)
 # semantic_vad `eagerness`: factors on the server's end-of-turn silences (min: a complete sentence, max: not)
 EAGERNESS = {"high": (0.5, 0.5), "medium": (1.0, 1.0), "auto": (1.0, 1.0), "low": (1.5, 2.0)}
 
@@ -105,6 +110,10 @@ class RealtimeConnection(_Connection):
         self._item_audio_ms: dict[str, float] = {}  # assistant item id -> its audio sent
         self._idle_since: float | None = None  # (idle_timeout_ms) since the last response played out
         self._responded = False  # a response has ended (the idle timeout counts only after one)
+        # The LLM's context follows the items: appended to in place, rebuilt from them after other edits.
+        self._context_prompt = self.settings.instructions  # the instructions the LLM context was built with
+        self._stale = False  # the items were edited in a way the context does not show yet
+        self._oob: dict[str, _OutOfBand] = {}  # response id -> out-of-band response in progress
         t = server.config
         self._vad_defaults = rt.VadDefaults(t.vad.threshold, round(1000 * t.asr.preroll_s), t.turn.min_silence_ms)
 
@@ -136,6 +145,13 @@ class RealtimeConnection(_Connection):
         conv = super()._new_conversation()
         self._apply_turn_detection(conv, self.settings.turn_detection)
         return conv
+
+    def release(self) -> None:
+        for oob in list(self._oob.values()):  # (their dialog sessions: the client is gone)
+            if oob.sid is not None and self.server.dialog is not None:
+                self.server.dialog.close(oob.sid)
+        self._oob.clear()
+        super().release()
 
     # -- client events -----------------------------------------------------------------------------------
 
@@ -191,21 +207,12 @@ class RealtimeConnection(_Connection):
                 if r is not None:
                     self._dispatch(conv.cancel())
                     self._ev("output_audio_buffer.cleared", response_id=r.id)
-            case rt.UserText(text=text, item_id=item_id):
-                self._settle_reply()
-                if conv.replying:
-                    raise rt.RealtimeError(
-                        "conversation_already_has_active_response",
-                        "Conversation already has an active response in progress. Wait until the response is "
-                        "finished before adding items.",
-                        event_id=event_id,
-                    )
-                self._user_text_item(item_id or self.ids.new("item"), text)
-                # A whole turn that waits for response.create, unless the user is speaking (it joins that turn).
-                own = session.heard_s if self._user_item is None else None
-                self._dispatch(conv.user_text(text, own_turn_at=own))
+            case rt.ItemCreate():
+                self._create_item(event, event_id)
             case rt.ResponseCreate():
-                self._respond(event, event_id)
+                await self._respond(event, event_id)
+            case rt.ResponseCancel(response_id=rid) if rid is not None and rid in self._oob:
+                self._oob[rid].finish("cancelled", "client_cancelled")
             case rt.ResponseCancel(response_id=rid):
                 r = self._response
                 if r is None or (rid is not None and rid != r.id):
@@ -230,18 +237,67 @@ class RealtimeConnection(_Connection):
             case rt.ItemDelete(item_id=item_id):
                 self._delete(item_id, event_id)
 
-    def _respond(self, event: rt.ResponseCreate, event_id: str | None) -> None:
+    def _create_item(self, event: rt.ItemCreate, event_id: str | None) -> None:
+        """A user message at the end joins the LLM's context in place (a whole turn, unless the user is
+        speaking: then it joins that turn); any other item, or one inserted earlier, is kept where the client
+        put it and the context is rebuilt from the items (between responses)."""
         session, conv = self.session, self.conversation
         assert session is not None and conv is not None
-        if event.ignored or event.instructions is not None and event.instructions != self.settings.instructions:
-            ignored = [*event.ignored]
-            if event.instructions is not None and event.instructions != self.settings.instructions:
-                ignored.append("response.instructions")  # (one LLM context, its system prompt set at its start)
-            log.info("session %s: response.create: not honoured here: %s", session.id, ", ".join(ignored))
+        previous = event.previous_item_id
+        if previous is not None and previous != "root" and previous not in self._items:
+            raise rt.RealtimeError(
+                "item_create_invalid_previous_item_id",
+                f"Previous item with id {previous[:64]} not found.",
+                param="previous_item_id",
+                event_id=event_id,
+            )
+        at_end = previous in (None, self._previous_item) or (previous == "root" and not self._items)
+        if event.role == "user" and at_end and event.text:
+            self._settle_reply()
+            if conv.replying:
+                raise rt.RealtimeError(
+                    "conversation_already_has_active_response",
+                    "Conversation already has an active response in progress. Wait until the response is "
+                    "finished before adding items.",
+                    event_id=event_id,
+                )
+        item = {**event.item, "id": event.item_id or self.ids.new("item"), "object": "realtime.item"}
+        item.setdefault("status", "completed")
+        after = self._previous_item if previous is None else None if previous == "root" else previous
+        for kind in ("conversation.item.added", "conversation.item.done"):
+            self._ev(kind, previous_item_id=after, item=item)
+        self._insert_item(item, after)
+        if event.role == "user" and at_end and event.text:
+            # A whole turn that waits for response.create, unless the user is speaking (it joins that turn).
+            own = session.heard_s if self._user_item is None else None
+            self._dispatch(conv.user_text(event.text, own_turn_at=own))
+        elif event.role is not None:
+            self._stale = True
+            self._sync_context()
+        else:
+            log.info("session %s: %s item kept; not part of the LLM's context", session.id, item.get("type"))
+
+    def _insert_item(self, item: dict[str, Any], after: str | None) -> None:
+        """Keep `item` after item `after` (None: first)."""
+        if after == self._previous_item:
+            self._keep_item(item)
+            self._previous_item = item["id"]
+            return
+        items = list(self._items.items())
+        at = 0 if after is None else next(i for i, (key, _) in enumerate(items) if key == after) + 1
+        items.insert(at, (item["id"], dict(item)))
+        self._items = OrderedDict(items)
+        self._forget_oldest()
+
+    async def _respond(self, event: rt.ResponseCreate, event_id: str | None) -> None:
+        session, conv = self.session, self.conversation
+        assert session is not None and conv is not None
+        if event.ignored:
+            log.info("session %s: response.create: not honoured here: %s", session.id, ", ".join(event.ignored))
         max_tokens = self.settings.max_output_tokens if event.max_output_tokens is False else event.max_output_tokens
         assert max_tokens is None or isinstance(max_tokens, int)
         if event.out_of_band:
-            self._out_of_band(event, max_tokens)
+            await self._out_of_band(event, max_tokens, event_id)
             return
         self._settle_reply()
         if conv.replying:
@@ -251,32 +307,82 @@ class RealtimeConnection(_Connection):
                 "before creating a new one.",
                 event_id=event_id,
             )
+        instructions = self.settings.instructions if event.instructions is None else event.instructions
+        if self._stale or instructions != self._context_prompt:
+            self._rebuild(instructions)  # (this response's own instructions: the session's come back after it)
         self._next = _Pending(event.output_modalities, event.metadata, max_tokens)
         self._dispatch(conv.respond(session.heard_s, max_tokens=max_tokens))
 
-    def _out_of_band(self, event: rt.ResponseCreate, max_tokens: int | None) -> None:
-        """`conversation: "none"` (or `input` items): a response outside the conversation, which the one LLM
-        context here cannot give; it fails as a response (no `error`: OpenAI accepts the request)."""
-        r = _Response(
-            self.ids.new("resp"),
-            "",
-            0,
-            event.output_modalities or self.settings.output_modalities,
-            event.metadata,
-            max_tokens,
-        )
-        self._ev("response.created", response=self._response_object(r, "in_progress"))
-        response = self._response_object(r, "failed")
-        response["conversation_id"] = None
-        response["status_details"] = {
-            "type": "failed",
-            "error": {
-                "type": "invalid_request_error",
-                "code": "unsupported_out_of_band_response",
-                "message": "duplexd answers only in the conversation (conversation: auto, no input items).",
-            },
-        }
-        self._ev("response.done", response=response)
+    async def _out_of_band(self, event: rt.ResponseCreate, max_tokens: int | None, event_id: str | None) -> None:
+        """`conversation: "none"` or `input` items: a response outside the conversation, on a dialog session
+        of its own (the conversation's items, or the `input` given, as its context). Text only: the voice
+        pipeline belongs to the conversation. It fails as a response (no `error`) when no dialog session is
+        free."""
+        server = self.server
+        assert server.dialog is not None
+        items: list[dict[str, Any]] = list(self._items.values())
+        if event.input is not None:
+            items = []
+            for given in event.input:
+                if isinstance(given, str):
+                    if given not in self._items:
+                        raise rt.RealtimeError(
+                            "invalid_value",
+                            f"Item with id {given[:64]} not found in the conversation.",
+                            param="response.input",
+                            event_id=event_id,
+                        )
+                    items.append(self._items[given])
+                else:
+                    items.append({**given.item, "id": given.item_id or self.ids.new("item")})
+        instructions = self.settings.instructions if event.instructions is None else event.instructions
+        system, turns = _render(items, instructions)
+        r = _Response(self.ids.new("resp"), self.ids.new("item"), 0, ("text",), event.metadata, max_tokens)
+        self._ev("response.created", response=self._response_object(r, "in_progress", conversation=False))
+        self._rate_limits(r)
+        oob = _OutOfBand(self, r)
+        if len(self._oob) >= MAX_OUT_OF_BAND:
+            oob.fail(f"{MAX_OUT_OF_BAND} out-of-band responses are in progress already.")
+            return
+        try:
+            oob.sid = await server.dialog.open(oob)
+        except Overloaded as exc:
+            oob.fail(f"No dialog session is free for an out-of-band response ({exc}).")
+            return
+        if self.session is None:  # (the connection ended while it waited)
+            server.dialog.close(oob.sid)
+            return
+        self._oob[r.id] = oob
+        open_user = turns.pop()[1] if turns and turns[-1][0] == "user" else ""
+        server.dialog.submit(oob.sid, cv.ReplaceContext(system, tuple(turns), open_user))
+        server.dialog.submit(oob.sid, cv.StartReply(1))
+        item = self._item(r, "in_progress", [])
+        self._ev("response.output_item.added", response_id=r.id, output_index=0, item=item)
+        self._ev("response.content_part.added", **self._part_ids(r), part=self._part(r))
+
+    def _rebuild(self, instructions: str) -> bool:
+        """Give the LLM the context the items now describe, with `instructions` (not during a response)."""
+        conv = self.conversation
+        assert conv is not None
+        system, turns = _render(list(self._items.values()), instructions)
+        out = conv.replace_context(system, turns)
+        if not out:
+            return False
+        log.info("session %s: LLM context rebuilt from %d turns", self._sid, len(turns))
+        self._dispatch(out)
+        self._stale, self._context_prompt = False, instructions
+        return True
+
+    def _sync_context(self) -> None:
+        """Between responses: rebuild the LLM's context if the items were edited, or if a response's own
+        instructions are still in it."""
+        conv = self.conversation
+        if conv is None or self._response is not None:
+            return
+        if self._stale or self._context_prompt != self.settings.instructions:
+            self._settle_reply()  # (the response is over for the client: its audio no longer counts as a reply)
+            if not conv.replying:
+                self._rebuild(self.settings.instructions)
 
     def _settle_reply(self) -> None:
         """After `response.done` the response is over for a Realtime client, whose playback the server
@@ -307,15 +413,8 @@ class RealtimeConnection(_Connection):
         conv, server, session = self.conversation, self.server, self.session
         assert conv is not None and server.dialog is not None and session is not None
         ignored = list(u.ignored)
-        if u.instructions is not None and u.instructions != self.settings.instructions:
-            if conv.turns or conv.replying or self._user_item is not None or self._items:
-                ignored.append("session.instructions (only before the conversation starts)")
-            else:  # a fresh LLM context with the new system prompt
-                old = self.dialog_sid
-                if old is not None:
-                    server.dialog.close(old)
-                self.dialog_sid = await server.dialog.open(self, u.instructions)
-                self.settings.instructions = u.instructions
+        if u.instructions is not None:
+            self.settings.instructions = u.instructions  # (in the LLM's context from the next response on)
         if u.output_modalities is not None:
             self.settings.output_modalities = u.output_modalities
         if u.max_output_tokens is not False:
@@ -343,6 +442,7 @@ class RealtimeConnection(_Connection):
                 "session": rt.session_object(session.id, self.settings, self._vad_defaults),
             }
         )
+        self._sync_context()
 
     def _apply_turn_detection(self, conv: cv.Conversation, td: rt.TurnDetection | None) -> None:
         """server_vad: the client's threshold, pre-roll and silence (fixed: min = max); semantic_vad: the
@@ -402,8 +502,10 @@ class RealtimeConnection(_Connection):
             heard, outputs = cut
             self._dispatch(outputs)
             self._set_transcript(item_id, heard)
-        else:
-            log.info("session %s: truncate of %s, an older response: its text stays in the context", self._sid, item_id)
+        else:  # an older response: its words in proportion to the audio heard, and the context rebuilt
+            self._set_transcript(item_id, _heard_part(_words(item), end_ms / audio_ms if audio_ms else 0.0))
+            self._stale = True
+            self._sync_context()
         self._ev("conversation.item.truncated", item_id=item_id, content_index=index, audio_end_ms=end_ms)
 
     @property
@@ -411,11 +513,7 @@ class RealtimeConnection(_Connection):
         return self.session.id if self.session is not None else "-"
 
     def _delete(self, item_id: str, event_id: str | None) -> None:
-        """Forget an item. An assistant message leaves the LLM's context (cut to nothing, as a truncate at
-        0 ms) when it is the last response; user words already read by the LLM stay in its context (the KV
-        cannot drop a turn from the middle), which is logged."""
-        conv, session = self.conversation, self.session
-        assert conv is not None and session is not None
+        """Forget an item; the LLM's context is rebuilt without it (between responses)."""
         if item_id not in self._items:
             raise rt.RealtimeError(
                 "item_delete_invalid_item_id",
@@ -423,21 +521,14 @@ class RealtimeConnection(_Connection):
                 param="item_id",
                 event_id=event_id,
             )
-        reply = self._item_reply.pop(item_id, None)
-        if reply is not None:
-            cut = conv.truncate(reply, 0)
-            if cut is not None:
-                self._dispatch(cut[1])
-            else:
-                log.info(
-                    "session %s: deleted %s, an older response: its text stays in the context", session.id, item_id
-                )
-        else:
-            log.info("session %s: deleted user item %s: its words stay in the LLM's context", session.id, item_id)
+        self._item_reply.pop(item_id, None)
+        self._item_audio_ms.pop(item_id, None)
         del self._items[item_id]
         if self._previous_item == item_id:
             self._previous_item = next(reversed(self._items), None)
         self._ev("conversation.item.deleted", item_id=item_id)
+        self._stale = True
+        self._sync_context()
 
     def _set_transcript(self, item_id: str, text: str) -> None:
         item = self._items.get(item_id)
@@ -452,6 +543,9 @@ class RealtimeConnection(_Connection):
             self._item_audio_ms[item["id"]] = audio_ms
         self._items[item["id"]] = dict(item)
         self._items.move_to_end(item["id"])
+        self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
         while len(self._items) > MAX_ITEMS:
             old, _ = self._items.popitem(last=False)
             self._item_reply.pop(old, None)
@@ -474,6 +568,7 @@ class RealtimeConnection(_Connection):
         super()._tick()
         self._maybe_commit()
         self._maybe_idle()
+        self._sync_context()
 
     def _maybe_idle(self) -> None:
         """server_vad `idle_timeout_ms`: no speech for that long once the last response has played out
@@ -628,6 +723,7 @@ class RealtimeConnection(_Connection):
         self._response = r
         self.text_only = modalities == ("text",)
         self._ev("response.created", response=self._response_object(r, "in_progress"))
+        self._rate_limits(r)
         item = self._item(r, "in_progress", [])
         self._ev("response.output_item.added", response_id=r.id, output_index=0, item=item)
         self._ev("conversation.item.added", previous_item_id=self._previous_item, item=item)
@@ -674,11 +770,30 @@ class RealtimeConnection(_Connection):
         if reason is not None:
             response["status_details"] = {"type": status, "reason": reason}
         self._ev("response.done", response=response)
+        if self._stale or self._context_prompt != self.settings.instructions:
+            asyncio.get_running_loop().call_soon(self._sync_context)  # (after the conversation's commands)
 
-    def _response_object(self, r: _Response, status: str, output: list[Any] | None = None) -> dict[str, Any]:
+    def _rate_limits(self, r: _Response) -> None:
+        """`rate_limits.updated` as a response starts. duplexd has no quotas: `requests` reports the sessions
+        the server admits now and how many are free; `tokens`, this response's output budget."""
+        server = self.server
+        limit = max(1, round(server.admission.sessions))
+        tokens = r.max_output_tokens or self.server.config.dialog.max_reply_tokens
+        self._ev(
+            "rate_limits.updated",
+            rate_limits=[
+                {"name": "requests", "limit": limit, "remaining": max(0, limit - len(server.sessions))},
+                {"name": "tokens", "limit": tokens, "remaining": tokens},
+            ],
+        )
+
+    def _response_object(
+        self, r: _Response, status: str, output: list[Any] | None = None, *, conversation: bool = True
+    ) -> dict[str, Any]:
         return {
             "id": r.id,
             "object": "realtime.response",
+            "conversation_id": f"conv_{self._sid}" if conversation else None,
             "status": status,
             "output": output or [],
             "output_modalities": list(r.modalities),
@@ -710,3 +825,100 @@ class RealtimeConnection(_Connection):
     @staticmethod
     def _part_ids(r: _Response) -> dict[str, Any]:
         return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
+
+
+class _OutOfBand:
+    """A response outside the conversation (`RealtimeConnection._out_of_band`): the dialog worker's client
+    for its own dialog session, open until the response ends; its text goes out as `output_text` events."""
+
+    def __init__(self, conn: RealtimeConnection, r: _Response) -> None:
+        self.conn, self.r = conn, r
+        self.sid: int | None = None
+        self.tokens = 0
+
+    def on_reply(self, reply: int, texts: list[str], done: bool) -> None:  # DialogClient
+        conn, r = self.conn, self.r
+        if r.id not in conn._oob:
+            return
+        self.tokens += len(texts)
+        text = texts[-1] if texts else r.text
+        if text.startswith(r.text) and len(text) > len(r.text):
+            delta, r.text = text[len(r.text) :], text
+            conn._ev("response.output_text.delta", **conn._part_ids(r), delta=delta)
+        if r.max_output_tokens is not None and self.tokens >= r.max_output_tokens and not done:
+            self.finish("incomplete", "max_output_tokens")
+        elif done:
+            self.finish("completed", None)
+
+    def on_p_end(self, p: float, version: int) -> None:  # DialogClient (no user turn here)
+        pass
+
+    def on_draft(self, texts: list[str]) -> None:  # DialogClient (no drafts here)
+        pass
+
+    def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
+        pass
+
+    def finish(self, status: str, reason: str | None) -> None:
+        """The response ends (`completed`, or `incomplete` / `cancelled` before its end): its dialog
+        session is closed, and its last events go out."""
+        conn, r = self.conn, self.r
+        conn._oob.pop(r.id, None)
+        if self.sid is not None and conn.server.dialog is not None:
+            conn.server.dialog.close(self.sid)
+            self.sid = None
+        part = conn._part_ids(r)
+        conn._ev("response.output_text.done", **part, text=r.text)
+        conn._ev("response.content_part.done", **part, part=conn._part(r))
+        item = conn._item(r, "completed" if status == "completed" else "incomplete", [conn._content(r)])
+        conn._ev("response.output_item.done", response_id=r.id, output_index=0, item=item)
+        response = conn._response_object(r, status, [item], conversation=False)
+        if reason is not None:
+            response["status_details"] = {"type": status, "reason": reason}
+        conn._ev("response.done", response=response)
+
+    def fail(self, message: str) -> None:
+        """No dialog session for it: the response fails (no `error`: OpenAI accepts the request)."""
+        conn, r = self.conn, self.r
+        response = conn._response_object(r, "failed", conversation=False)
+        response["status_details"] = {
+            "type": "failed",
+            "error": {"type": "server_error", "code": "out_of_band_unavailable", "message": message},
+        }
+        conn._ev("response.done", response=response)
+
+
+def _words(item: dict[str, Any]) -> str:
+    """A message item's words: its text parts, and its audio parts' transcripts."""
+    parts = item.get("content") or []
+    words = (p.get("text") or p.get("transcript") or "" for p in parts if isinstance(p, dict))
+    return " ".join(w for w in words if isinstance(w, str) and w).strip()
+
+
+def _render(items: list[dict[str, Any]], instructions: str) -> tuple[str, list[tuple[str, str]]]:
+    """The LLM context the items describe: the system prompt (`instructions`, then any system messages'
+    words) and the user and assistant turns, the newest up to `MAX_CONTEXT_CHARS`. Other items (function
+    calls and their outputs) are not part of it."""
+    system, turns = [instructions], []
+    for item in items:
+        role = item.get("role") if item.get("type") == "message" else None
+        words = _words(item) if role is not None else ""
+        if role == "system" and words:
+            system.append(words)
+        elif role == "assistant" or (role == "user" and words):
+            turns.append((role, words))
+    kept, size = 0, 0
+    for _, words in reversed(turns):
+        if kept and size + len(words) > MAX_CONTEXT_CHARS:
+            break
+        kept, size = kept + 1, size + len(words)
+    return "\n\n".join(w for w in system if w), turns[len(turns) - kept :]
+
+
+def _heard_part(text: str, fraction: float) -> str:
+    """The part of a reply heard when its audio stopped at `fraction` of its length (cut at a word)."""
+    if fraction >= 1:
+        return text
+    cut = int(len(text) * max(0.0, fraction))
+    space = text.rfind(" ", 0, cut + 1)
+    return text[: max(space, 0)].strip()

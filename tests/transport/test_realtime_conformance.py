@@ -141,7 +141,8 @@ async def test_clients_first_updates_are_honoured_without_errors(make_server) ->
         assert handle.conversation._turn.min_silence_ms < base.min_silence_ms  # eager: shorter silences
         assert handle.session._config.vad.threshold == srv.server.config.vad.threshold  # (back to the server's)
 
-        # Out of band (conversation "none"): a failed response, metadata echoed; not an error.
+        # Out of band (conversation "none"): answered in text on a dialog session of its own, metadata echoed,
+        # outside the conversation (no item added to it).
         await wire.send(
             {
                 "type": "response.create",
@@ -151,7 +152,9 @@ async def test_clients_first_updates_are_honoured_without_errors(make_server) ->
         created = await wire.until("response.created")
         done = await wire.until("response.done")
         assert created["response"]["metadata"] == done["response"]["metadata"] == {"topic": "x"}
-        assert done["response"]["status"] == "failed"
+        assert done["response"]["status"] == "completed" and done["response"]["conversation_id"] is None
+        assert done["response"]["output"][0]["content"][0]["text"]
+        assert not [e for e in wire.all if e["type"] == "conversation.item.added"]
         assert wire.errors() == []
 
         # Where OpenAI errors, duplexd does too, in the wording clients match on.
@@ -270,3 +273,173 @@ async def test_metadata_token_cap_and_truncate_after_response_done(make_server) 
             mic.cancel()
         assert triggered["audio_end_ms"] >= triggered["audio_start_ms"]
         assert wire.errors() == []
+
+
+async def test_item_edits_and_response_instructions_reach_the_llm_context(make_server, monkeypatch) -> None:
+    """What a client does to the conversation's items is what the LLM reads: typed assistant and system
+    messages, inserts, deletes, a truncated older response, a response's own instructions (for it only);
+    an out-of-band response with its own `input` leaves the conversation as it was."""
+    srv = await make_server()
+    from duplexd.streaming.conversation import ReplaceContext
+
+    submitted: list[Any] = []
+    submit = srv.server.dialog.submit
+    monkeypatch.setattr(srv.server.dialog, "submit", lambda sid, c: (submitted.append(c), submit(sid, c))[1])
+    ws, wire = await connect(srv)
+    async with ws:
+        handle = srv.server.handles[wire.all[0]["session"]["id"]]
+        engine = srv.server.dialog.engine
+
+        async def context(done: Any, timeout_s: float = 20.0) -> str:
+            """The LLM's context once all of it is in and `done(context)` holds (or at the deadline)."""
+            deadline = time.monotonic() + timeout_s
+            while True:
+                text = engine.tokenizer.decode(engine.context_tokens(handle.dialog_sid))
+                if (done(text) and not engine.busy()) or time.monotonic() > deadline:
+                    return text
+                await asyncio.sleep(0.1)
+
+        await wire.send(
+            {
+                "type": "session.update",
+                "session": {
+                    "type": "realtime",
+                    "instructions": "You are a ship's cook.",
+                    "audio": {"input": {"turn_detection": None}},
+                },
+            }
+        )
+        await wire.until("session.updated")
+        await wire.send(user_text("My name is Ada."))
+        ada = (await wire.until("conversation.item.done"))["item"]["id"]
+        await wire.send(
+            {
+                "type": "conversation.item.create",
+                "previous_item_id": ada,
+                "item": {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Welcome aboard, Ada."}],
+                },
+            }
+        )
+        welcome = (await wire.until("conversation.item.done"))["item"]
+        assert welcome["role"] == "assistant" and welcome["status"] == "completed"
+        await wire.send(
+            {
+                "type": "conversation.item.create",
+                "previous_item_id": "root",
+                "item": {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Be brief."}]},
+            }
+        )
+        assert (await wire.until("conversation.item.added"))["previous_item_id"] is None
+        text = await context(lambda c: "Be brief." in c and "Welcome aboard, Ada." in c)
+        assert text.index("ship's cook") < text.index("Be brief.") < text.index("My name is Ada.")
+        assert text.index("My name is Ada.") < text.index("Welcome aboard, Ada.")
+
+        # A function call's output (tools come later): kept as an item, no error, not in the context.
+        await wire.send(
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "function_call_output", "call_id": "call_1", "output": '{"ok": true}'},
+            }
+        )
+        await wire.until("conversation.item.done")
+
+        # Deleting the user's message takes its words out of what the LLM reads.
+        await wire.send({"type": "conversation.item.delete", "item_id": ada})
+        await wire.until("conversation.item.deleted")
+        text = await context(lambda c: "Welcome aboard" in c and "My name is Ada." not in c)
+        assert "My name is Ada." not in text and "Welcome aboard, Ada." in text, text
+
+        # A response's own instructions: in the context for that response, the session's back after it.
+        await wire.send(user_text("What is for dinner?"))
+        await wire.until("conversation.item.done")
+        submitted.clear()
+        await wire.send(
+            {
+                "type": "response.create",
+                "response": {"instructions": "You are a lighthouse keeper.", "output_modalities": ["text"]},
+            }
+        )
+        await wire.until("rate_limits.updated")
+        first = (await wire.until("response.done", 90))["response"]
+        assert first["status"] in ("completed", "incomplete")
+        text = await context(lambda c: "ship's cook" in c and "lighthouse" not in c)
+        assert "ship's cook" in text and "lighthouse" not in text and "What is for dinner?" in text, text
+        rebuilt = [c for c in submitted if isinstance(c, ReplaceContext)]
+        assert [c.system_prompt.split("\n\n")[0] for c in rebuilt] == [
+            "You are a lighthouse keeper.",
+            "You are a ship's cook.",
+        ]
+        assert "What is for dinner?" in [t for _, t in rebuilt[0].turns]  # (before its reply)
+        reply = first["output"][0]["content"][0]["text"]
+        assert ("assistant", reply) in rebuilt[1].turns  # (after it: the reply is part of the conversation)
+
+        # Out of band with its own input: answered; the conversation's context is left as it was.
+        before = await context(lambda c: reply in c)
+        await wire.send(
+            {
+                "type": "response.create",
+                "response": {
+                    "conversation": "none",
+                    "output_modalities": ["text"],
+                    "input": [
+                        {"type": "item_reference", "id": welcome["id"]},
+                        user_text("Say a number.")["item"],
+                    ],
+                },
+            }
+        )
+        oob = (await wire.until("response.done", 90))["response"]
+        assert oob["status"] in ("completed", "incomplete") and oob["conversation_id"] is None
+        assert oob["output"][0]["content"][0]["text"]
+        assert await context(lambda c: True) == before
+        assert wire.errors() == []
+
+
+async def test_truncating_an_older_response_cuts_it_in_the_context(make_server) -> None:
+    srv = await make_server()
+    ws, wire = await connect(srv)
+    async with ws:
+        handle = srv.server.handles[wire.all[0]["session"]["id"]]
+        engine = srv.server.dialog.engine
+        await wire.send(
+            {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}}}
+        )
+        await wire.until("session.updated")
+        replies = []
+        for question in ("Tell me about the sea.", "And the mountains?"):
+            await wire.send(user_text(question))
+            await wire.until("conversation.item.done")
+            await wire.send({"type": "response.create"})
+            replies.append((await wire.until("response.done", 90))["response"])
+        older = replies[0]["output"][0]
+        spoken = older["content"][0]["transcript"]
+        audio_ms = sum(
+            len(base64.b64decode(e["delta"])) / 48
+            for e in wire.all
+            if e["type"] == "response.output_audio.delta" and e["response_id"] == replies[0]["id"]
+        )
+        await wire.send(
+            {"type": "conversation.item.truncate", "item_id": older["id"], "content_index": 0, "audio_end_ms": 0}
+        )
+        assert (await wire.until("conversation.item.truncated"))["audio_end_ms"] == 0
+        deadline = time.monotonic() + 20
+        while True:  # (the worker rebuilds the context between steps, then prefills it)
+            text = engine.tokenizer.decode(engine.context_tokens(handle.dialog_sid))
+            if spoken not in text and "mountains" in text and not engine.busy():
+                break
+            assert time.monotonic() < deadline, text
+            await asyncio.sleep(0.1)
+        later = replies[1]["output"][0]["content"][0]["transcript"]
+        assert "the sea" in text and "mountains" in text and later in text, text
+        await wire.send(  # (past the end of its audio: what OpenAI refuses)
+            {
+                "type": "conversation.item.truncate",
+                "item_id": older["id"],
+                "content_index": 0,
+                "audio_end_ms": round(audio_ms) + 500,
+            }
+        )
+        assert (await wire.until("error"))["error"]["code"] == "invalid_value"
