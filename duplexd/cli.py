@@ -266,6 +266,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.what == "asr":
         return bench_asr.main(args)
+    if args.what == "context":
+        from duplexd.bench import context as bench_context
+
+        return bench_context.main(args)
     if args.what == "llm":
         from duplexd.bench import llm as bench_llm
 
@@ -430,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[
             "asr",
             "llm",
+            "context",
             "voice",
             "speculation",
             "replies",
