@@ -6,7 +6,7 @@ import numpy as np
 
 from duplexd.bench.asr import Program
 from duplexd.bench.peer import PeerResult, peer_latencies
-from duplexd.streaming.events import Word
+from duplexd.events import Word
 
 
 def test_a_word_counts_from_the_first_snapshot_that_showed_it() -> None:

@@ -6,7 +6,7 @@ import re
 from collections import deque
 from collections.abc import Sequence
 
-from duplexd.streaming.events import Word
+from duplexd.events import Word
 
 _STRIP = re.compile(r"[^\w']+")
 _DEDUP_MAX_WORDS = 5

@@ -12,7 +12,7 @@ import numpy as np
 
 from duplexd.config import AsrConfig
 from duplexd.errors import EngineError
-from duplexd.streaming.events import Word
+from duplexd.events import Word
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from duplexd.asr.commit import LocalAgreement
 from duplexd.asr.engine import ASR_SAMPLE_RATE, Transcription
 from duplexd.config import AsrConfig
 from duplexd.errors import ErrorCode
-from duplexd.streaming.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
+from duplexd.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
 
 _FORCE_KEEP_S = 3.0  # when forced to trim, keep this much of the newest audio uncommitted
 _CONTEXT_S = 1.5  # speech that resumes after a pause is decoded with this much of the audio before it

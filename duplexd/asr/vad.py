@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from duplexd.config import VadConfig
-from duplexd.streaming.events import SpeechStarted, SpeechStopped
+from duplexd.events import SpeechStarted, SpeechStopped
 
 VAD_SAMPLE_RATE = 16_000
 VAD_CHUNK_SAMPLES = 512  # Silero's window at 16 kHz: 32 ms

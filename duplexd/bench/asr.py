@@ -24,7 +24,7 @@ from duplexd.bench.latency import WordTiming, percentile, word_timings
 from duplexd.bench.server import health, server_process
 from duplexd.clients.stream import read_audio, stream_pcm
 from duplexd.config import load_config
-from duplexd.streaming.events import Word
+from duplexd.events import Word
 
 RATE = 16_000
 GAP_S = 1.0

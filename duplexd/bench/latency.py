@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from duplexd.asr.commit import norm
 from duplexd.clients.stream import StreamResult
-from duplexd.streaming.events import Word
+from duplexd.events import Word
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from duplexd.commands import AppendUserText, DraftReply, InterruptReply, ReplaceContext, StartReply
 from duplexd.config import SpeculationConfig
 from duplexd.dialog.engine import Priority
 from duplexd.dialog.kv_window import PoolFull
 from duplexd.dialog.speculation import Draft, HypothesisPool
 from duplexd.errors import Overloaded
-from duplexd.streaming.conversation import AppendUserText, DraftReply, InterruptReply, ReplaceContext, StartReply
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import numpy as np
 from duplexd.asr.engine import ASR_SAMPLE_RATE, AsrEngine
 from duplexd.asr.vad import SileroVad, VadStream
 from duplexd.errors import Overloaded
+from duplexd.events import Event
 from duplexd.scheduler.hrrn import Candidate, Choice, PassCost, pick
-from duplexd.streaming.events import Event
 from duplexd.streaming.session import Session
 
 log = logging.getLogger(__name__)

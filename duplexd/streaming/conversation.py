@@ -21,8 +21,21 @@ from difflib import SequenceMatcher
 from enum import Enum
 
 from duplexd.asr.endpoint import Endpointer
+from duplexd.commands import (
+    AppendUserText,
+    Command,
+    DraftReply,
+    EndAudio,
+    InterruptReply,
+    PlayAudio,
+    PrefetchSpeech,
+    ReplaceContext,
+    StartReply,
+    StopAudio,
+    Synthesize,
+)
 from duplexd.config import TtsConfig, TurnConfig
-from duplexd.streaming.events import (
+from duplexd.events import (
     Event,
     ReplyDelta,
     ReplyDone,
@@ -36,93 +49,6 @@ from duplexd.streaming.events import (
 from duplexd.tts.chunker import TextChunker
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
-# --- commands for the shell ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class AppendUserText:
-    text: str  # with its leading space where it continues the turn
-    version: int  # the count of appends so far: a P(end of turn) is for the text of one version
-
-
-@dataclass(frozen=True, slots=True)
-class StartReply:
-    reply: int
-
-
-@dataclass(frozen=True, slots=True)
-class DraftReply:
-    """The user paused: draft the reply as if their turn ended after `text` (appended like `AppendUserText`
-    to the words of append `version`; "" for the words as they are)."""
-
-    text: str
-    version: int
-
-
-@dataclass(frozen=True, slots=True)
-class InterruptReply:
-    reply: int
-    heard_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReplaceContext:
-    """The LLM's context becomes exactly this: a system prompt (None: the default), finished (role, text)
-    turns, and the words of the user's open turn that had reached it (see `Conversation.replace_context`)."""
-
-    system_prompt: str | None
-    turns: tuple[tuple[str, str], ...]
-    open_user: str
-
-
-@dataclass(frozen=True, slots=True)
-class Synthesize:
-    reply: int
-    index: int
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchSpeech:
-    """Synthesize `text` ahead, when idle: a drafted reply would start with it."""
-
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class PlayAudio:
-    """Queue these samples (float32, 24 kHz) of reply `reply` for sending, after all queued before."""
-
-    reply: int
-    samples: object  # np.ndarray; typed loosely to keep this module free of numpy
-
-
-@dataclass(frozen=True, slots=True)
-class EndAudio:
-    """Reply `reply` has no more audio: send its last partial frame, then report `audio_sent`."""
-
-    reply: int
-
-
-@dataclass(frozen=True, slots=True)
-class StopAudio:
-    """Drop every queued, unsent frame of reply `reply` and every TTS job for it."""
-
-    reply: int
-
-
-Command = (
-    AppendUserText
-    | StartReply
-    | DraftReply
-    | InterruptReply
-    | ReplaceContext
-    | Synthesize
-    | PrefetchSpeech
-    | PlayAudio
-    | EndAudio
-    | StopAudio
-)
 Output = Event | Command
 
 _NORMALIZE = re.compile(r"[^\w'\-]+")

@@ -21,8 +21,8 @@ from duplexd.asr.streaming import PassRequest, StreamingTranscriber
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES, VAD_SAMPLE_RATE, VadHysteresis, VadStream
 from duplexd.config import ServerConfig
 from duplexd.errors import ErrorCode, ProtocolError
+from duplexd.events import Event, FrameAcked, SpeechStarted, SpeechStopped
 from duplexd.streaming.audio import StreamResampler, pcm16_to_float
-from duplexd.streaming.events import Event, FrameAcked, SpeechStarted, SpeechStopped
 
 
 @dataclass(frozen=True, slots=True)

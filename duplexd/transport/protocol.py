@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Any
 
+from duplexd import events as ev
 from duplexd.errors import ErrorCode, ProtocolError
-from duplexd.streaming import events as ev
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})

@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from duplexd import commands as cmd
 from duplexd.errors import ErrorCode, Overloaded
-from duplexd.streaming import conversation as cv
-from duplexd.streaming.events import (
+from duplexd.events import (
     ErrorRaised,
     Event,
     ReplyDone,
@@ -47,6 +47,7 @@ from duplexd.streaming.events import (
     TurnEnded,
     UtteranceFinalized,
 )
+from duplexd.streaming import conversation as cv
 from duplexd.transport import protocol
 from duplexd.transport import realtime as rt
 from duplexd.transport.server import CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, _Closing, _Connection
@@ -354,8 +355,8 @@ class RealtimeConnection(_Connection):
             return
         self._oob[r.id] = oob
         open_user = turns.pop()[1] if turns and turns[-1][0] == "user" else ""
-        server.dialog.submit(oob.sid, cv.ReplaceContext(system, tuple(turns), open_user))
-        server.dialog.submit(oob.sid, cv.StartReply(1))
+        server.dialog.submit(oob.sid, cmd.ReplaceContext(system, tuple(turns), open_user))
+        server.dialog.submit(oob.sid, cmd.StartReply(1))
         item = self._item(r, "in_progress", [])
         self._ev("response.output_item.added", response_id=r.id, output_index=0, item=item)
         self._ev("response.content_part.added", **self._part_ids(r), part=self._part(r))

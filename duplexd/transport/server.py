@@ -29,16 +29,12 @@ from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 from websockets.http11 import Request, Response
 
 from duplexd import __version__, logs
+from duplexd import commands as cmd
 from duplexd.asr.engine import AsrEngine
 from duplexd.asr.vad import SileroVad
 from duplexd.config import ServerConfig
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
-from duplexd.scheduler.admission import Aimd, AimdConfig
-from duplexd.scheduler.dialog import DialogWorker, LlmEngine
-from duplexd.scheduler.tts import TtsWorker
-from duplexd.scheduler.workers import AsrScheduler, VadWorker
-from duplexd.streaming import conversation as cv
-from duplexd.streaming.events import (
+from duplexd.events import (
     Event,
     ReplyDelta,
     ReplyDone,
@@ -47,6 +43,11 @@ from duplexd.streaming.events import (
     ReplyStarted,
     TurnEnded,
 )
+from duplexd.scheduler.admission import Aimd, AimdConfig
+from duplexd.scheduler.dialog import DialogWorker, LlmEngine
+from duplexd.scheduler.tts import TtsWorker
+from duplexd.scheduler.workers import AsrScheduler, VadWorker
+from duplexd.streaming import conversation as cv
 from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
 from duplexd.streaming.timeline import Timeline, TurnTiming
@@ -894,13 +895,13 @@ class _Connection:
         for out in outputs:
             self._time(out, session)
             match out:
-                case cv.AppendUserText() | cv.StartReply() | cv.DraftReply() | cv.InterruptReply():
+                case cmd.AppendUserText() | cmd.StartReply() | cmd.DraftReply() | cmd.InterruptReply():
                     server.dialog.submit(self.dialog_sid, out)
-                case cv.ReplaceContext():
+                case cmd.ReplaceContext():
                     server.dialog.submit(self.dialog_sid, out)
-                case cv.Synthesize(reply=reply, index=index) if self.text_only:
+                case cmd.Synthesize(reply=reply, index=index) if self.text_only:
                     self._on_tts_audio(reply, index, np.zeros(0, np.float32))  # a text-only reply: no speech
-                case cv.Synthesize(reply=reply, index=index, text=text):
+                case cmd.Synthesize(reply=reply, index=index, text=text):
                     ahead_s = max(0, self.playout.sent + self.playout.queued - self._played()) / OUTPUT_SAMPLE_RATE
                     server.tts.submit(
                         (session.id, reply),
@@ -908,15 +909,15 @@ class _Connection:
                         lambda audio, r=reply, i=index: self._on_tts_audio(r, i, audio),
                         deadline=time.monotonic() + ahead_s + 0.001 * index,
                     )
-                case cv.PrefetchSpeech(text=text):
+                case cmd.PrefetchSpeech(text=text):
                     server.tts.prefetch(text)
-                case cv.PlayAudio(reply=reply, samples=samples):
+                case cmd.PlayAudio(reply=reply, samples=samples):
                     self.playout.push(reply, samples)  # type: ignore[arg-type]
                     self._audio_wake.set()
-                case cv.EndAudio(reply=reply):
+                case cmd.EndAudio(reply=reply):
                     self.playout.end(reply)
                     self._audio_wake.set()
-                case cv.StopAudio(reply=reply):
+                case cmd.StopAudio(reply=reply):
                     self.playout.stop(reply)
                     server.tts.cancel((session.id, reply))
                     # The client drops what it had not played and jumps to the end of what it received.
@@ -941,7 +942,7 @@ class _Connection:
                 self.timeline.reply_started(reply)
             case ReplyDelta(reply=reply, text=text):
                 self.timeline.token(reply, text, now)
-            case cv.PlayAudio(reply=reply):
+            case cmd.PlayAudio(reply=reply):
                 if (timing := self.timeline.audio(reply, now)) is not None:
                     self.server.metrics.turn(timing)
             case ReplyDone(reply=reply, text=text):

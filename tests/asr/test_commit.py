@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from duplexd.asr.commit import LocalAgreement, norm
-from duplexd.streaming.events import Word
+from duplexd.events import Word
 
 
 def hyp(spec: str, start: float = 0.0, step: float = 0.5, dur: float = 0.3) -> list[Word]:

@@ -9,7 +9,7 @@ from duplexd.asr.engine import Segment, Transcription
 from duplexd.asr.streaming import AudioRing, PassRequest, StreamingTranscriber
 from duplexd.config import AsrConfig
 from duplexd.errors import ErrorCode
-from duplexd.streaming.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
+from duplexd.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
 
 SR = 16_000
 CHUNK = 512

@@ -6,7 +6,7 @@ import pytest
 
 from duplexd.asr.vad import VAD_CHUNK_S, VadHysteresis
 from duplexd.config import VadConfig
-from duplexd.streaming.events import SpeechStarted, SpeechStopped
+from duplexd.events import SpeechStarted, SpeechStopped
 
 C = 0.032  # chunk length in seconds; chunk i covers [i*C, (i+1)*C)
 S = 0.9  # speech

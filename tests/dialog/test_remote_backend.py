@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from duplexd.bench.server import free_port, serve_llm_process
+from duplexd.commands import AppendUserText, InterruptReply, StartReply
 from duplexd.config import DialogConfig, SpeculationConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig
 from duplexd.dialog.remote import PieceTokenizer, RemoteConfig, RemoteDialogEngine, _trim
 from duplexd.scheduler.dialog import DialogWorker
-from duplexd.streaming.conversation import AppendUserText, InterruptReply, StartReply
 
 slow = pytest.mark.slow  # (tests that load the model)
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from duplexd.commands import AppendUserText, DraftReply, StartReply
 from duplexd.config import SpeculationConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig
 from duplexd.scheduler.dialog import DialogWorker
-from duplexd.streaming.conversation import AppendUserText, DraftReply, StartReply
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from duplexd import commands as cmd
 from duplexd.config import TtsConfig, TurnConfig
-from duplexd.streaming import conversation as cv
-from duplexd.streaming.events import (
+from duplexd.events import (
     ReplyDelta,
     ReplyDone,
     ReplyInterrupted,
@@ -16,6 +16,7 @@ from duplexd.streaming.events import (
     UtteranceFinalized,
     Word,
 )
+from duplexd.streaming import conversation as cv
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 SR = OUTPUT_SAMPLE_RATE
@@ -38,7 +39,7 @@ def say(conv: cv.Conversation, utt: int, text: str, *, p_end: float = 0.5) -> li
     w = words(text)
     out = conv.observe([TranscriptUpdated(utt, w, min(2, len(w)))])
     out += conv.observe([UtteranceFinalized(utt, w)])
-    appends = of(out, cv.AppendUserText)
+    appends = of(out, cmd.AppendUserText)
     if appends:
         conv.p_end_of_turn(p_end, appends[-1].version)
     return out
@@ -63,7 +64,7 @@ def stream_reply(conv: cv.Conversation, reply: int, text: str) -> list[cv.Output
 def voice_all(conv: cv.Conversation, reply: int, outputs: list[cv.Output], seconds_per_piece: float = 1.0):
     """TTS every Synthesize command (1 s of audio each); returns the PlayAudio/EndAudio outputs."""
     out: list[cv.Output] = []
-    for s in of(outputs, cv.Synthesize):
+    for s in of(outputs, cmd.Synthesize):
         out += conv.audio_ready(reply, s.index, np.full(int(seconds_per_piece * SR), 0.1, np.float32))
     return out
 
@@ -71,13 +72,13 @@ def voice_all(conv: cv.Conversation, reply: int, outputs: list[cv.Output], secon
 def test_committed_words_stream_into_the_llm_as_they_commit() -> None:
     conv = new()
     out = conv.observe([TranscriptUpdated(1, words("what is the"), 1)])
-    assert [a.text for a in of(out, cv.AppendUserText)] == ["what"]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["what"]
     out = conv.observe([TranscriptUpdated(1, words("what is the time"), 3)])
-    assert [a.text for a in of(out, cv.AppendUserText)] == [" is the"]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == [" is the"]
     out = conv.observe([UtteranceFinalized(1, words("what is the time now"))])
-    assert [a.text for a in of(out, cv.AppendUserText)] == [" time now"]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == [" time now"]
     out = conv.observe([UtteranceFinalized(2, words("please"))])
-    assert [a.text for a in of(out, cv.AppendUserText)] == [" please"]  # same turn, next utterance
+    assert [a.text for a in of(out, cmd.AppendUserText)] == [" please"]  # same turn, next utterance
 
 
 def test_turn_ends_after_short_silence_when_complete_long_when_not() -> None:
@@ -93,13 +94,13 @@ def test_turn_ends_after_short_silence_when_complete_long_when_not() -> None:
     out = conv.tick(stream_s=2.05, silence_ms=300, asr_settled=True)
     (turn,) = of(out, TurnEnded)
     assert turn.text == "What time is it?" and turn.p_end == 0.4 and abs(turn.eos_s - 1.75) < 1e-9
-    assert of(out, cv.StartReply) == [cv.StartReply(1)] and of(out, ReplyStarted) == [ReplyStarted(1)]
+    assert of(out, cmd.StartReply) == [cmd.StartReply(1)] and of(out, ReplyStarted) == [ReplyStarted(1)]
 
 
 def test_a_stale_p_end_is_ignored() -> None:
     conv = new()
     out = say(conv, 1, "What time is it?", p_end=0.4)
-    version = of(out, cv.AppendUserText)[-1].version
+    version = of(out, cmd.AppendUserText)[-1].version
     conv.observe([UtteranceFinalized(2, words("in Paris"))])  # new words: the 0.4 was for older text
     conv.p_end_of_turn(0.5, version)
     assert conv.tick(stream_s=3.0, silence_ms=400, asr_settled=True) == []
@@ -110,9 +111,9 @@ def test_reply_streams_as_deltas_and_pieces_and_ends_after_playback() -> None:
     reply = start_reply(conv)
     out = stream_reply(conv, reply, "Paris is the capital of France.")
     assert "".join(d.text for d in of(out, ReplyDelta)) == "Paris is the capital of France."
-    assert [s.text for s in of(out, cv.Synthesize)] == ["Paris is the", "capital of France."]
+    assert [s.text for s in of(out, cmd.Synthesize)] == ["Paris is the", "capital of France."]
     audio = voice_all(conv, reply, out)
-    assert len(of(audio, cv.PlayAudio)) == 2 and of(audio, cv.EndAudio) == [cv.EndAudio(reply)]
+    assert len(of(audio, cmd.PlayAudio)) == 2 and of(audio, cmd.EndAudio) == [cmd.EndAudio(reply)]
     done = conv.audio_sent(reply)
     assert of(done, ReplyDone)[0].audio_ms == 2000
     assert conv.replying  # still audible
@@ -124,10 +125,10 @@ def test_pieces_are_played_in_order_whatever_order_tts_finishes() -> None:
     conv = new()
     reply = start_reply(conv)
     out = stream_reply(conv, reply, "Paris is the capital of France.")
-    first, second = of(out, cv.Synthesize)
+    first, second = of(out, cmd.Synthesize)
     assert conv.audio_ready(reply, second.index, np.ones(10, np.float32)) == []
     played = conv.audio_ready(reply, first.index, np.ones(20, np.float32))
-    assert [len(p.samples) for p in of(played, cv.PlayAudio)] == [20, 10]
+    assert [len(p.samples) for p in of(played, cmd.PlayAudio)] == [20, 10]
 
 
 def test_barge_in_cuts_the_context_to_what_was_heard() -> None:
@@ -138,13 +139,13 @@ def test_barge_in_cuts_the_context_to_what_was_heard() -> None:
     conv.played(int(1.5 * SR))  # all of "Paris is the" and half of "capital of France."
     assert conv.observe([TranscriptUpdated(2, words("wait"), 1)]) == []  # one word is a blip
     out = conv.observe([TranscriptUpdated(2, words("wait no"), 2)])
-    (stop,) = of(out, cv.InterruptReply)
+    (stop,) = of(out, cmd.InterruptReply)
     (told,) = of(out, ReplyInterrupted)
     assert told.heard_ms == 1500 and told.reason == "barge_in"
     assert told.heard_text == "Paris is the capital"  # cut back to a word boundary
     assert stop.heard_tokens == 4
-    assert of(out, cv.StopAudio) == [cv.StopAudio(reply)]
-    assert [a.text for a in of(out, cv.AppendUserText)] == ["wait no"]  # starts the user's next turn
+    assert of(out, cmd.StopAudio) == [cmd.StopAudio(reply)]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["wait no"]  # starts the user's next turn
     assert not conv.replying
 
 
@@ -153,7 +154,7 @@ def test_barge_in_before_any_audio_keeps_nothing() -> None:
     reply = start_reply(conv)
     conv.reply_text(reply, ["Paris"], done=False)
     out = conv.observe([TranscriptUpdated(2, words("and Berlin"), 2)])
-    assert of(out, cv.InterruptReply) == [cv.InterruptReply(reply, 0)]
+    assert of(out, cmd.InterruptReply) == [cmd.InterruptReply(reply, 0)]
     assert of(out, ReplyInterrupted)[0].heard_text == ""
 
 
@@ -167,7 +168,7 @@ def test_backchannels_and_echo_do_not_interrupt_and_are_dropped() -> None:
     assert conv.observe([UtteranceFinalized(3, words("capital of France"))]) == []  # its own voice
     conv.audio_sent(reply)
     out = conv.played(2 * SR)
-    assert not conv.replying and of(out, cv.AppendUserText) == []  # neither joins the next turn
+    assert not conv.replying and of(out, cmd.AppendUserText) == []  # neither joins the next turn
 
 
 def test_words_after_the_reply_join_the_next_turn() -> None:
@@ -178,9 +179,9 @@ def test_words_after_the_reply_join_the_next_turn() -> None:
     conv.audio_sent(reply)
     assert conv.observe([TranscriptUpdated(2, words("yeah Berlin"), 1)]) == []  # one new word: not yet
     out = conv.played(10 * SR)
-    assert [a.text for a in of(out, cv.AppendUserText)] == ["yeah"]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["yeah"]
     out = conv.observe([UtteranceFinalized(2, words("yeah Berlin?"))])
-    assert [a.text for a in of(out, cv.AppendUserText)] == [" Berlin?"]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == [" Berlin?"]
 
 
 def test_cancel_without_a_reply_is_a_no_op_and_with_one_interrupts() -> None:
@@ -188,7 +189,7 @@ def test_cancel_without_a_reply_is_a_no_op_and_with_one_interrupts() -> None:
     assert conv.cancel() == []
     reply = start_reply(conv)
     out = conv.cancel()
-    assert of(out, ReplyInterrupted)[0].reason == "cancel" and of(out, cv.InterruptReply)[0].reply == reply
+    assert of(out, ReplyInterrupted)[0].reason == "cancel" and of(out, cmd.InterruptReply)[0].reply == reply
     assert conv.cancel() == []
 
 
@@ -251,20 +252,20 @@ def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
 def test_a_pause_drafts_the_reply_for_the_words_the_final_pass_will_most_likely_give() -> None:
     conv = cv.Conversation(TurnConfig(min_silence_ms=500), TtsConfig(), speculate=True)
     w = words("what is the capital of France?")
-    (first,) = of(conv.observe([TranscriptUpdated(1, w, 3)]), cv.AppendUserText)  # "what is the" committed
+    (first,) = of(conv.observe([TranscriptUpdated(1, w, 3)]), cmd.AppendUserText)  # "what is the" committed
     assert first.text == "what is the"
     assert conv.tick(stream_s=3.0, silence_ms=250, asr_settled=False) == []  # P(end) not in yet: no draft
     conv.p_end_of_turn(0.001, first.version)
     assert conv.tick(stream_s=3.0, silence_ms=100, asr_settled=False) == []  # not a pause yet
-    drafts = of(conv.tick(stream_s=3.1, silence_ms=250, asr_settled=False), cv.DraftReply)
+    drafts = of(conv.tick(stream_s=3.1, silence_ms=250, asr_settled=False), cmd.DraftReply)
     assert [(d.text, d.version) for d in drafts] == [(" capital of France?", 1), (" capital of", 1)]
     assert conv.tick(stream_s=3.2, silence_ms=300, asr_settled=False) == []  # each once
     # The final pass confirms the hypothesis: the words reach the LLM exactly as the first draft assumed.
-    (append,) = of(conv.observe([UtteranceFinalized(1, w)]), cv.AppendUserText)
+    (append,) = of(conv.observe([UtteranceFinalized(1, w)]), cmd.AppendUserText)
     assert append.text == drafts[0].text
     conv.p_end_of_turn(0.3, append.version)
     out = conv.tick(stream_s=3.5, silence_ms=600, asr_settled=True)
-    assert of(out, cv.StartReply) and not of(out, cv.DraftReply)
+    assert of(out, cmd.StartReply) and not of(out, cmd.DraftReply)
 
 
 def test_without_an_llm_p_end_drafts_go_at_the_pause() -> None:
@@ -273,23 +274,23 @@ def test_without_an_llm_p_end_drafts_go_at_the_pause() -> None:
     turn = TurnConfig(min_silence_ms=500, max_silence_ms=1200)
     conv = cv.Conversation(turn, TtsConfig(), speculate=True, llm_p_end=False)
     w = words("what is the capital of France?")
-    of(conv.observe([TranscriptUpdated(1, w, 3)]), cv.AppendUserText)
+    of(conv.observe([TranscriptUpdated(1, w, 3)]), cmd.AppendUserText)
     assert conv.tick(stream_s=3.0, silence_ms=100, asr_settled=False) == []  # not a pause yet
-    drafts = of(conv.tick(stream_s=3.1, silence_ms=250, asr_settled=False), cv.DraftReply)
+    drafts = of(conv.tick(stream_s=3.1, silence_ms=250, asr_settled=False), cmd.DraftReply)
     assert [d.text for d in drafts] == [" capital of France?", " capital of"]
-    (append,) = of(conv.observe([UtteranceFinalized(1, w)]), cv.AppendUserText)
+    (append,) = of(conv.observe([UtteranceFinalized(1, w)]), cmd.AppendUserText)
     assert append.text == drafts[0].text
-    assert not of(conv.tick(stream_s=3.6, silence_ms=700, asr_settled=True), cv.StartReply)  # no P: waits
-    assert of(conv.tick(stream_s=4.1, silence_ms=1200, asr_settled=True), cv.StartReply)
+    assert not of(conv.tick(stream_s=3.6, silence_ms=700, asr_settled=True), cmd.StartReply)  # no P: waits
+    assert of(conv.tick(stream_s=4.1, silence_ms=1200, asr_settled=True), cmd.StartReply)
 
 
 def test_drafts_for_the_settled_text_and_never_while_replying() -> None:
     conv = cv.Conversation(TurnConfig(min_silence_ms=1000), TtsConfig(), speculate=True)
     out = say(conv, 1, "Tell me a story", p_end=0.001)
-    (draft,) = of(conv.tick(stream_s=3.0, silence_ms=300, asr_settled=True), cv.DraftReply)
-    assert draft.text == "" and draft.version == of(out, cv.AppendUserText)[-1].version
-    assert of(conv.tick(stream_s=5.0, silence_ms=1300, asr_settled=True), cv.StartReply)
-    assert of(conv.tick(stream_s=6.0, silence_ms=2300, asr_settled=True), cv.DraftReply) == []
+    (draft,) = of(conv.tick(stream_s=3.0, silence_ms=300, asr_settled=True), cmd.DraftReply)
+    assert draft.text == "" and draft.version == of(out, cmd.AppendUserText)[-1].version
+    assert of(conv.tick(stream_s=5.0, silence_ms=1300, asr_settled=True), cmd.StartReply)
+    assert of(conv.tick(stream_s=6.0, silence_ms=2300, asr_settled=True), cmd.DraftReply) == []
     off = cv.Conversation(TurnConfig(min_silence_ms=1000), TtsConfig())
     say(off, 1, "Tell me a story", p_end=0.001)
     assert off.tick(stream_s=3.0, silence_ms=300, asr_settled=True) == []  # speculation off
@@ -301,9 +302,9 @@ def test_a_draft_s_first_piece_is_the_reply_s_first_piece() -> None:
     tokens = [text[: i + 1] for i in range(len(text)) if i + 1 == len(text) or text[i + 1] == " "]
     conv = new()
     (prefetch,) = conv.draft_text(tokens)
-    assert isinstance(prefetch, cv.PrefetchSpeech)
+    assert isinstance(prefetch, cmd.PrefetchSpeech)
     reply = start_reply(conv)
-    first_piece = of(conv.reply_text(reply, tokens, done=True), cv.Synthesize)[0]
+    first_piece = of(conv.reply_text(reply, tokens, done=True), cmd.Synthesize)[0]
     assert prefetch.text == first_piece.text == "Paris is the"
     assert conv.draft_text(tokens) == []  # nothing ahead while a reply is under way
 
@@ -316,7 +317,7 @@ def test_starved_while_owed_reply_audio_does_not_exist() -> None:
     reply = start_reply(conv)
     assert conv.starved  # the turn is over and there is no audio yet
     out = conv.reply_text(reply, ["Paris is the capital of France, and"], done=False)
-    first, *rest = of(out, cv.Synthesize)
+    first, *rest = of(out, cmd.Synthesize)
     conv.audio_ready(reply, first.index, np.full(SR, 0.1, np.float32))
     assert not conv.starved  # one second of audio to play
     conv.played(SR // 2)
@@ -324,5 +325,5 @@ def test_starved_while_owed_reply_audio_does_not_exist() -> None:
     conv.played(SR)  # all of it played, the rest still being decoded or synthesized
     assert conv.starved
     out = conv.reply_text(reply, ["Paris is the capital of France, and it is lovely."], done=True)
-    voice_all(conv, reply, rest + of(out, cv.Synthesize))
+    voice_all(conv, reply, rest + of(out, cmd.Synthesize))
     assert not conv.starved  # the reply's audio is complete

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from test_conversation import SR, new, of, start_reply, stream_reply, voice_all, words
 
+from duplexd import commands as cmd
+from duplexd.events import ReplyDone, ReplyInterrupted, TranscriptUpdated, TurnEnded
 from duplexd.streaming import conversation as cv
-from duplexd.streaming.events import ReplyDone, ReplyInterrupted, TranscriptUpdated, TurnEnded
 
 TEXT = "Paris is the capital of France. It is a big city."  # pieces: "Paris is the" (1 s), the rest (1 s each)
 
@@ -25,11 +26,11 @@ def test_truncating_the_last_reply_after_it_ended_cuts_it_to_what_was_heard() ->
     conv = new()
     reply = finished(conv)
     heard, out = conv.truncate(reply, int(1.5 * SR))
-    assert heard == "Paris is the capital" and out == [cv.InterruptReply(reply, 4)]
+    assert heard == "Paris is the capital" and out == [cmd.InterruptReply(reply, 4)]
     # A later, shorter truncate cuts again; a longer one (or the same) has nothing left to cut.
     assert conv.truncate(reply, 2 * SR) == ("Paris is the capital", [])
     heard, out = conv.truncate(reply, SR)
-    assert heard == "Paris is the" and out == [cv.InterruptReply(reply, 3)]
+    assert heard == "Paris is the" and out == [cmd.InterruptReply(reply, 3)]
     assert conv.truncate(reply - 1, 0) is None  # an older reply is not kept
 
 
@@ -41,7 +42,7 @@ def test_truncating_after_a_barge_in_cuts_only_below_what_the_barge_in_kept() ->
     out = conv.observe([TranscriptUpdated(2, words("wait no"), 2)])
     assert of(out, ReplyInterrupted)[0].heard_text == "Paris is the capital"
     assert conv.truncate(reply, 2 * SR)[1] == []  # (the client played no more than the server assumed)
-    assert conv.truncate(reply, int(0.5 * SR))[1] == [cv.InterruptReply(reply, 1)]
+    assert conv.truncate(reply, int(0.5 * SR))[1] == [cmd.InterruptReply(reply, 1)]
 
 
 def test_truncating_the_reply_in_progress_stops_it_at_that_point() -> None:
@@ -50,7 +51,7 @@ def test_truncating_the_reply_in_progress_stops_it_at_that_point() -> None:
     voice_all(conv, reply, stream_reply(conv, reply, TEXT))
     conv.played(int(2.5 * SR))  # (the server's estimate is ahead of the client's truncate)
     heard, out = conv.truncate(reply, SR)
-    assert heard == "Paris is the" and of(out, cv.InterruptReply) == [cv.InterruptReply(reply, 3)]
+    assert heard == "Paris is the" and of(out, cmd.InterruptReply) == [cmd.InterruptReply(reply, 3)]
     assert of(out, ReplyInterrupted)[0].reason == "cancel" and not conv.replying
 
 
@@ -59,15 +60,15 @@ def test_a_reply_ends_at_its_token_cap_and_its_audio_plays() -> None:
     conv.max_reply_tokens = 4
     reply = start_reply(conv)
     out = stream_reply(conv, reply, TEXT)
-    assert of(out, cv.InterruptReply) == [cv.InterruptReply(reply, 4)]  # the LLM stops there
+    assert of(out, cmd.InterruptReply) == [cmd.InterruptReply(reply, 4)]  # the LLM stops there
     audio = voice_all(conv, reply, out)
-    assert of(audio, cv.EndAudio) == [cv.EndAudio(reply)]
+    assert of(audio, cmd.EndAudio) == [cmd.EndAudio(reply)]
     done = of(conv.audio_sent(reply), ReplyDone)[0]
     assert done.text == "Paris is the capital" and conv.capped(reply)
     conv.played(10 * SR)
     conv.max_reply_tokens = None
-    (start,) = of(conv.respond(6.0, max_tokens=4), cv.StartReply)  # (a cap for this reply only)
-    assert of(stream_reply(conv, start.reply, "No."), cv.InterruptReply) == [] and not conv.capped(start.reply)
+    (start,) = of(conv.respond(6.0, max_tokens=4), cmd.StartReply)  # (a cap for this reply only)
+    assert of(stream_reply(conv, start.reply, "No."), cmd.InterruptReply) == [] and not conv.capped(start.reply)
 
 
 def test_without_barge_in_the_users_words_wait_for_the_next_turn() -> None:
@@ -79,17 +80,17 @@ def test_without_barge_in_the_users_words_wait_for_the_next_turn() -> None:
     assert out == [] and conv.replying
     conv.audio_sent(reply)
     out = conv.played(10 * SR)
-    assert [a.text for a in of(out, cv.AppendUserText)] == ["wait no stop"]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["wait no stop"]
 
 
 def test_a_typed_turn_of_its_own_waits_for_respond_whatever_the_silence() -> None:
     conv = new()
     out = conv.user_text("Hello there", own_turn_at=3.0)
-    assert [a.text for a in of(out, cv.AppendUserText)] == ["Hello there"]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["Hello there"]
     (turn,) = of(out, TurnEnded)
-    assert turn.text == "Hello there" and not of(out, cv.StartReply)
+    assert turn.text == "Hello there" and not of(out, cmd.StartReply)
     assert conv.tick(stream_s=9.0, silence_ms=5000, asr_settled=True) == []  # the microphone's silence
-    (start,) = of(conv.respond(9.0), cv.StartReply)
+    (start,) = of(conv.respond(9.0), cmd.StartReply)
     assert start.reply == turn.turn  # the reply answers that turn, no empty one in between
 
 
@@ -97,7 +98,7 @@ def test_a_replaced_context_carries_the_open_turns_words_that_reached_the_llm() 
     conv = new()
     reply = finished(conv)
     turns = [("user", "What is the capital of France?"), ("assistant", "Paris.")]
-    assert conv.replace_context("Be brief.", turns) == [cv.ReplaceContext("Be brief.", tuple(turns), "")]
+    assert conv.replace_context("Be brief.", turns) == [cmd.ReplaceContext("Be brief.", tuple(turns), "")]
     assert conv.truncate(reply, SR) is None  # (the new context holds the reply as reported: nothing to cut)
     conv.observe([TranscriptUpdated(2, words("and Spain"), 2)])
     (rebuilt,) = conv.replace_context(None, turns)
@@ -107,7 +108,7 @@ def test_a_replaced_context_carries_the_open_turns_words_that_reached_the_llm() 
     conv.observe([TranscriptUpdated(3, words("or Italy"), 2)])
     assert conv.replace_context(None, turns)[0].open_user == "and Spain"
     out = conv.commit(9.0)
-    assert [a.text for a in of(out, cv.AppendUserText)] == [" or Italy"] and of(out, cv.StartReply)
+    assert [a.text for a in of(out, cmd.AppendUserText)] == [" or Italy"] and of(out, cmd.StartReply)
     # During a reply: nothing (the shell rebuilds when it ends).
     assert conv.replying and conv.replace_context(None, turns) == []
 
@@ -115,5 +116,5 @@ def test_a_replaced_context_carries_the_open_turns_words_that_reached_the_llm() 
 def test_a_later_reply_in_progress_leaves_the_last_one_uncut() -> None:
     conv = new()
     first = finished(conv)
-    assert of(conv.user_text("And Spain?") + conv.respond(10.0), cv.StartReply)
+    assert of(conv.user_text("And Spain?") + conv.respond(10.0), cmd.StartReply)
     assert conv.truncate(first, 0) is None  # (the worker cuts only its last reply: the shell rebuilds)

@@ -11,7 +11,7 @@ from duplexd.asr.engine import Segment, Transcription
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES
 from duplexd.config import AsrConfig, ServerConfig, TransportConfig
 from duplexd.errors import ErrorCode, ProtocolError
-from duplexd.streaming.events import (
+from duplexd.events import (
     FrameAcked,
     SpeechStarted,
     SpeechStopped,

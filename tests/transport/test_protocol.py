@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from duplexd import events as ev
 from duplexd.errors import ErrorCode, ProtocolError
-from duplexd.streaming import events as ev
 from duplexd.transport.protocol import (
     BINARY_HEADER,
     AudioFrame,

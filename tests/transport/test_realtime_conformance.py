@@ -280,7 +280,7 @@ async def test_item_edits_and_response_instructions_reach_the_llm_context(make_s
     messages, inserts, deletes, a truncated older response, a response's own instructions (for it only);
     an out-of-band response with its own `input` leaves the conversation as it was."""
     srv = await make_server()
-    from duplexd.streaming.conversation import ReplaceContext
+    from duplexd.commands import ReplaceContext
 
     submitted: list[Any] = []
     submit = srv.server.dialog.submit
