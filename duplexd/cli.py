@@ -555,8 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     # (libgomp's default) slow the others 10x and more. Must be set before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["relay"]:  # the relay has its own options (it also runs as `python -m duplexd.transport.relay`)
-        from duplexd.transport import relay
+    if argv[:1] == ["relay"]:  # the relay has its own options (it also runs as `python -m duplexd.bench.relay`)
+        from duplexd.bench import relay
 
         logs.setup()
         return relay.main(argv[1:])

@@ -3,7 +3,7 @@
 1. Real replies: the dialog engine (the server's own model and prompt) answers a few questions on this
    machine; each token's text and the moment it was decoded are recorded (a token stream).
 2. Every stream is replayed, at its recorded pace, through the datagram path (`transport.datagram`'s codec,
-   real UDP sockets on loopback) and the loss simulator (`transport.relay`) with each scheme
+   real UDP sockets on loopback) and the loss simulator (`bench.relay`) with each scheme
    (`eloquent`, `retransmit`, `duplicate`), for every loss model and RTT. Within one condition every
    scheme gets the same seeded loss process, per direction (acks can be lost too); `--replicates` seeds
    per stream.
@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from duplexd.bench.loss import LinkConfig
+from duplexd.bench.relay import UdpRelay
 from duplexd.transport import datagram as dg
-from duplexd.transport.loss import LinkConfig
 from duplexd.transport.packetizer import Receiver, SenderConfig, make_sender
-from duplexd.transport.relay import UdpRelay
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from duplexd.bench import scenarios as sc
+from duplexd.bench.loss import LinkConfig
+from duplexd.bench.relay import UdpRelay
 from duplexd.clients.stream import StreamClient
 from duplexd.transport.datagram import DatagramClient
-from duplexd.transport.loss import LinkConfig
 from duplexd.transport.packetizer import Packet, Receiver, Token
 from duplexd.transport.protocol import parse_audio_out
-from duplexd.transport.relay import UdpRelay
 
 pytestmark = pytest.mark.slow
 

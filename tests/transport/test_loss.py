@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from duplexd.transport.loss import Bernoulli, GilbertElliott, Link, LinkConfig, LossModel, Trace, parse_loss
+from duplexd.bench.loss import Bernoulli, GilbertElliott, Link, LinkConfig, LossModel, Trace, parse_loss
 
 N = 200_000
 
@@ -261,7 +261,7 @@ def test_link_directions_and_seeds_are_independent_but_reproducible() -> None:
 
 
 def test_outages_lose_the_stated_share_of_time_in_bursts_of_the_stated_length() -> None:
-    from duplexd.transport.loss import Outages
+    from duplexd.bench.loss import Outages
 
     model = Outages(0.1, burst_ms=100, seed=5)
     dt = 0.001
@@ -281,7 +281,7 @@ def test_outages_lose_the_stated_share_of_time_in_bursts_of_the_stated_length() 
 
 
 def test_outage_specs_parse_and_reject_nonsense() -> None:
-    from duplexd.transport.loss import Outages
+    from duplexd.bench.loss import Outages
 
     assert isinstance(parse_loss("outage:0.05:100", seed=1), Outages)
     for bad in ("outage:1:100", "outage:0.1:0", "outage:0.1", "outage:x:5"):

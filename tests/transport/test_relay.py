@@ -14,8 +14,8 @@ from typing import cast
 import pytest
 
 import duplexd
-from duplexd.transport.loss import Link, LinkConfig, Trace
-from duplexd.transport.relay import UP_SEED_OFFSET, UdpRelay, main
+from duplexd.bench.loss import Link, LinkConfig, Trace
+from duplexd.bench.relay import UP_SEED_OFFSET, UdpRelay, main
 
 TIMEOUT_S = 10.0
 REPO_ROOT = Path(duplexd.__file__).resolve().parents[1]
@@ -260,7 +260,7 @@ async def test_process_entry_forwards_and_stops_on_sigterm(peers: OpenPeer) -> N
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "duplexd.transport.relay",
+        "duplexd.bench.relay",
         "--listen",
         "127.0.0.1:0",
         "--to",

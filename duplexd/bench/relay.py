@@ -11,7 +11,7 @@ upstream socket; past either, a packet is dropped and counted as overflow. A sen
 
 Process entry (stops on SIGTERM or SIGINT; prints `{"port": N}` once listening, then the stats, as JSON lines):
 
-    python -m duplexd.transport.relay --listen 127.0.0.1:0 --to 127.0.0.1:9000 --loss ge:0.05:3 --rtt-ms 80
+    python -m duplexd.bench.relay --listen 127.0.0.1:0 --to 127.0.0.1:9000 --loss ge:0.05:3 --rtt-ms 80
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-from duplexd.transport.loss import Link, LinkConfig
+from duplexd.bench.loss import Link, LinkConfig
 
 Address = tuple[str, int]
 SockAddr = tuple[Any, ...]  # (host, port), or (host, port, flowinfo, scope_id) for IPv6
