@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from duplexd.bench.server import free_port, http_json, ready_health
+from duplexd.netutil import free_port, http_json, ready_health
 
 DEFAULT_CHECK_MS = 500
 SCRAPED = (

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from duplexd.bench.data import DATA_ENV, Clip, data_dir, load_clips
+from duplexd.clients.clips import DATA_ENV, Clip, data_dir, load_clips
 from duplexd.config import ServerConfig
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from duplexd.bench import replies as bench
-from duplexd.bench.data import load_clips, normalize
+from duplexd.bench.data import normalize
+from duplexd.clients.clips import load_clips
 
 
 def test_loops_and_parrots() -> None:

@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 
 from duplexd.bench import write_result
-from duplexd.bench.data import Clip, load_clips, wer
-from duplexd.bench.latency import WordTiming, percentile, word_timings
+from duplexd.bench.data import wer
+from duplexd.bench.latency import WordTiming, word_timings
 from duplexd.bench.server import health, server_process
+from duplexd.clients.clips import Clip, load_clips
+from duplexd.clients.stats import percentile
 from duplexd.clients.stream import read_audio, stream_pcm
 from duplexd.config import load_config
 from duplexd.events import Word

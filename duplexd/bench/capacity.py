@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from duplexd.bench import write_result
-from duplexd.bench.data import load_clips
 from duplexd.bench.server import server_process
 from duplexd.clients import loadtest
+from duplexd.clients.clips import load_clips
 
 MAX_MISS_RATIO = 0.01
 MAX_WORD_LATENCY_P90_S = 2.0

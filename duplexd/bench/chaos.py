@@ -305,9 +305,10 @@ def main(args: argparse.Namespace) -> int:
     import sys
 
     from duplexd.bench import scenarios as sc
-    from duplexd.bench.data import load_clips
-    from duplexd.bench.server import child_process, free_port, health
+    from duplexd.bench.server import child_process, health
     from duplexd.clients import loadtest
+    from duplexd.clients.clips import load_clips
+    from duplexd.netutil import free_port
 
     t0 = time.monotonic()
     clips = load_clips(args.data) if args.data else load_clips()

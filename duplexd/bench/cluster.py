@@ -25,9 +25,9 @@ import numpy as np
 
 from duplexd.bench import write_result
 from duplexd.bench.capacity import MAX_FIRST_AUDIO_P90_S, MAX_MISS_RATIO, MAX_WORD_LATENCY_P90_S, _summary, sweep
-from duplexd.bench.data import load_clips
-from duplexd.bench.latency import percentile
 from duplexd.clients import loadtest
+from duplexd.clients.clips import load_clips
+from duplexd.clients.stats import percentile
 from duplexd.clients.stream import StreamClient
 from duplexd.cluster import Cluster
 

@@ -1,55 +1,13 @@
-"""The speech evaluation set (outside the repository) and the text metrics used on it."""
+"""The text metrics used on the speech evaluation set (the set itself: `clients.clips`)."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from dataclasses import dataclass
-from pathlib import Path
 
-DATA_ENV = "DUPLEXD_TEST_DATA"
+from duplexd.clients.clips import load_clips as load_clips  # (re-exported: bench/replies.py loads it from here)
 
 _PUNCT = re.compile(r"[^\w\s']")
 _SPACES = re.compile(r"\s+")
-
-
-def data_dir() -> Path:
-    """The shared data folder: $DUPLEXD_TEST_DATA, else ../shared/data beside the checkout."""
-    env = os.environ.get(DATA_ENV)
-    if env:
-        return Path(env)
-    beside_checkout = Path(__file__).resolve().parents[3] / "shared" / "data"
-    return beside_checkout if beside_checkout.is_dir() else Path.cwd().parent / "shared" / "data"
-
-
-@dataclass(frozen=True, slots=True)
-class Clip:
-    path: Path
-    duration_s: float
-    text: str | None
-    speakers: int | None
-
-
-def load_clips(root: Path | None = None) -> list[Clip]:
-    """Clips listed in speech/manifest.jsonl; raises FileNotFoundError when the set is absent."""
-    speech = (root or data_dir()) / "speech"
-    manifest = speech / "manifest.jsonl"
-    clips = []
-    with open(manifest, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                row = json.loads(line)
-                spk = row.get("speakers")
-                clips.append(
-                    Clip(
-                        speech / row["file"],
-                        float(row["duration_s"]),
-                        row.get("text"),
-                        spk if isinstance(spk, int) else None,
-                    )
-                )
-    return clips
 
 
 def normalize(text: str) -> list[str]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from duplexd.asr.commit import norm
+from duplexd.clients.stats import percentile as percentile  # (re-exported: bench/replies.py imports it from here)
 from duplexd.clients.stream import StreamResult
 from duplexd.events import Word
 
@@ -65,12 +66,3 @@ def word_timings(result: StreamResult, offline: list[Word]) -> list[WordTiming]:
         sent_t = result.started_at + word.end_s / result.speed
         timings.append(WordTiming(text, word.end_s, shown_t - sent_t, committed_t - sent_t))
     return timings
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)

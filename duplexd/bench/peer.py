@@ -31,10 +31,13 @@ from duplexd.asr.commit import norm
 from duplexd.asr.engine import default_asr_model
 from duplexd.bench import write_result
 from duplexd.bench.asr import RATE, Program, _offline, _program
-from duplexd.bench.data import load_clips, wer
-from duplexd.bench.latency import aligned, percentile, word_timings
-from duplexd.bench.server import child_process, free_port, server_process
+from duplexd.bench.data import wer
+from duplexd.bench.latency import aligned, word_timings
+from duplexd.bench.server import child_process, server_process
+from duplexd.clients.clips import load_clips
+from duplexd.clients.stats import percentile
 from duplexd.clients.stream import stream_pcm
+from duplexd.netutil import free_port
 
 MAX_WORD_LATENCY_P90_S = 2.0
 CHUNK_S = 0.02  # 20 ms of float32 audio per message, paced as duplexd's own client paces its frames

@@ -2,7 +2,9 @@
 mid-sentence, talking over the reply, a backchannel during it, the reply's own echo in the microphone.
 
 Composition only: concatenation, inserted silence, a gain, and speech injected at a chosen moment of the
-reply (`converse_pcm(inject=...)`); never synthesized voices. Audio is int16 mono at RATE.
+reply (`converse_pcm(inject=...)`); never synthesized voices. Audio is int16 mono at RATE. The basics
+(`RATE`, `load`, `silence`, `speech_end_s`) live in `clients.clips` and are re-exported here, so that a
+scenario reads in one vocabulary: `sc.load(...)`, `sc.silence(0.5)`.
 """
 
 from __future__ import annotations
@@ -13,13 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
-import soxr
 
+from duplexd.clients.clips import RATE, load, silence
+from duplexd.clients.clips import speech_end_s as speech_end_s
 from duplexd.clients.converse import ConversationResult
 from duplexd.config import ServerConfig, TtsConfig
-
-RATE = 16_000
 
 # Word boundaries found by Whisper word timestamps on these files (see test_scenarios for the check).
 PAUSE_CLIP = "clip16_sb_example1.wav"  # "The birch canoe slid on the | smooth planks."
@@ -27,18 +27,6 @@ PAUSE_AT_S = (2.18, 2.36)  # the quietest 10 ms in here is where the pause goes
 BACKCHANNEL_CLIP = "clip23_ami_meeting_30s.wav"  # a meeting: someone says "Okay, okay." alone
 BACKCHANNEL_SPAN_S = (8.2, 9.4)
 BACKCHANNEL_GAIN = 3.0  # a quiet far-field speaker in the meeting; brought to talking level
-
-
-def load(path: Path) -> np.ndarray:
-    audio, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    mono = audio.mean(axis=1)
-    if rate != RATE:
-        mono = soxr.resample(mono, rate, RATE)
-    return (np.clip(mono, -1, 1) * 32767).astype(np.int16)
-
-
-def silence(seconds: float) -> np.ndarray:
-    return np.zeros(round(seconds * RATE), np.int16)
 
 
 def quietest_cut(audio: np.ndarray, lo_s: float, hi_s: float, window_s: float = 0.01) -> int:
@@ -61,17 +49,6 @@ def backchannel(speech_dir: Path) -> np.ndarray:
     a, b = BACKCHANNEL_SPAN_S
     audio = load(speech_dir / BACKCHANNEL_CLIP)[round(a * RATE) : round(b * RATE)].astype(np.float32)
     return np.clip(audio * BACKCHANNEL_GAIN, -32767, 32767).astype(np.int16)
-
-
-def speech_end_s(audio: np.ndarray, threshold: float = 0.5) -> float:
-    """Where the speech in `audio` ends: the end of the last 32 ms chunk Silero VAD calls speech."""
-    from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
-
-    x = audio.astype(np.float32) / 32768.0
-    k = len(x) // VAD_CHUNK_SAMPLES
-    (probs,) = SileroVad().probabilities([VadStream()], [x[: k * VAD_CHUNK_SAMPLES].reshape(k, -1)])
-    voiced = np.flatnonzero(probs >= threshold)
-    return float((voiced[-1] + 1) * VAD_CHUNK_SAMPLES / RATE) if len(voiced) else 0.0
 
 
 @dataclass(slots=True)

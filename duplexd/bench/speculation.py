@@ -31,10 +31,10 @@ import numpy as np
 
 from duplexd.bench import scenarios as sc
 from duplexd.bench import write_result
-from duplexd.bench.data import Clip, load_clips
-from duplexd.bench.latency import percentile
 from duplexd.bench.server import health, serve_llm_process, server_process
+from duplexd.clients.clips import Clip, load_clips
 from duplexd.clients.converse import ConversationResult, converse_pcm
+from duplexd.clients.stats import percentile
 
 QUESTION_MAX_S = 8.0
 MODES: dict[str, dict[str, str]] = {

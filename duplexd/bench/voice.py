@@ -32,10 +32,10 @@ import numpy as np
 
 from duplexd.bench import scenarios as sc
 from duplexd.bench import write_result
-from duplexd.bench.data import Clip, load_clips
-from duplexd.bench.latency import percentile
 from duplexd.bench.server import health, server_process
+from duplexd.clients.clips import Clip, load_clips
 from duplexd.clients.converse import ConversationResult, converse_pcm
+from duplexd.clients.stats import percentile
 
 QUESTION_MAX_S = 8.0  # single-speaker clips up to this long are the questions
 PAUSE_S = 0.7

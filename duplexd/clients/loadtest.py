@@ -34,10 +34,9 @@ from typing import Any
 import numpy as np
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus
 
-from duplexd.bench import scenarios as sc
-from duplexd.bench.data import Clip, load_clips
-from duplexd.bench.latency import percentile
+from duplexd.clients.clips import RATE, Clip, load, load_clips, silence, speech_end_s
 from duplexd.clients.converse import JITTER_S, OUTPUT_RATE, ConversationResult, Received, converse_pcm
+from duplexd.clients.stats import percentile
 from duplexd.clients.stream import SessionRefused
 
 DEADLINE_MS = 200.0
@@ -62,8 +61,8 @@ def lines_of(clips: list[Clip]) -> list[Line]:
     is then a concatenation, cheap enough for the event loop that paces the users."""
     out = []
     for clip in clips:
-        pcm = sc.load(clip.path)
-        out.append(Line(pcm, sc.speech_end_s(pcm)))
+        pcm = load(clip.path)
+        out.append(Line(pcm, speech_end_s(pcm)))
     return out
 
 
@@ -160,15 +159,15 @@ def program(
     """What user `user` says: lines in turn (rotated per user), each followed by as much silence as it
     lasted (at least 2 s: the reply is heard), for `duration_s`; `continuous`: only a breath between
     clips. Returns the audio and each turn's end of speech (stream seconds)."""
-    parts, eos, t = [sc.silence(0.5)], [], 0.5
+    parts, eos, t = [silence(0.5)], [], 0.5
     k = user
     while t < duration_s:
         line = lines[k % len(lines)]
         k += 1
         eos.append(t + line.speech_end_s)
-        gap = sc.silence(CONTINUOUS_GAP_S if continuous else max(2.0, len(line.pcm) / sc.RATE))
+        gap = silence(CONTINUOUS_GAP_S if continuous else max(2.0, len(line.pcm) / RATE))
         parts += [line.pcm, gap]
-        t += (len(line.pcm) + len(gap)) / sc.RATE
+        t += (len(line.pcm) + len(gap)) / RATE
     return np.concatenate(parts), eos
 
 
@@ -270,8 +269,8 @@ async def _session(
             result = await converse_pcm(
                 url,
                 audio,
-                sc.RATE,
-                max_s=len(audio) / sc.RATE + 10.0,
+                RATE,
+                max_s=len(audio) / RATE + 10.0,
                 until=lambda events: True,
                 on_event=heard.append,
             )

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from duplexd.bench.data import Clip, wer
+from duplexd.bench.data import wer
+from duplexd.clients.clips import Clip
 from duplexd.clients.stream import read_audio
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import soxr
 from cdp import CdpError, Page, launch_chromium
 
 from duplexd.bench import scenarios as sc
-from duplexd.bench.data import Clip
+from duplexd.clients.clips import Clip
 
 pytestmark = pytest.mark.slow
 

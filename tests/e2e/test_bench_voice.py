@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from duplexd.bench import voice
-from duplexd.bench.data import Clip
+from duplexd.clients.clips import Clip
 
 pytestmark = pytest.mark.slow
 

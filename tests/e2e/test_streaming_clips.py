@@ -7,7 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from duplexd.bench.data import Clip, normalize, wer
+from duplexd.bench.data import normalize, wer
+from duplexd.clients.clips import Clip
 from duplexd.clients.stream import read_audio, stream_file, stream_pcm
 
 pytestmark = pytest.mark.slow

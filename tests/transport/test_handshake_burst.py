@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from duplexd.bench.server import http_json, server_process
+from duplexd.bench.server import server_process
+from duplexd.netutil import http_json
 
 pytestmark = pytest.mark.slow
 

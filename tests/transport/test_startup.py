@@ -19,8 +19,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 from websockets.http11 import Response
 
-from duplexd.bench.server import free_port
 from duplexd.config import SecurityConfig, TransportConfig
+from duplexd.netutil import free_port
 from duplexd.transport.listener import Listener, response
 
 

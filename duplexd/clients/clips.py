@@ -1,0 +1,81 @@
+"""The recordings a client says: the speech set's clips (outside the repository, listed in its manifest),
+each as 16 kHz PCM16 mono, and where its speech ends.
+
+`duplexd loadtest` says them; the benchmarks and the tests compose their conversations from them
+(`bench.scenarios`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+DATA_ENV = "DUPLEXD_TEST_DATA"
+RATE = 16_000
+
+
+def data_dir() -> Path:
+    """The shared data folder: $DUPLEXD_TEST_DATA, else ../shared/data beside the checkout."""
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return Path(env)
+    beside_checkout = Path(__file__).resolve().parents[3] / "shared" / "data"
+    return beside_checkout if beside_checkout.is_dir() else Path.cwd().parent / "shared" / "data"
+
+
+@dataclass(frozen=True, slots=True)
+class Clip:
+    path: Path
+    duration_s: float
+    text: str | None
+    speakers: int | None
+
+
+def load_clips(root: Path | None = None) -> list[Clip]:
+    """Clips listed in speech/manifest.jsonl; raises FileNotFoundError when the set is absent."""
+    speech = (root or data_dir()) / "speech"
+    manifest = speech / "manifest.jsonl"
+    clips = []
+    with open(manifest, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                row = json.loads(line)
+                spk = row.get("speakers")
+                clips.append(
+                    Clip(
+                        speech / row["file"],
+                        float(row["duration_s"]),
+                        row.get("text"),
+                        spk if isinstance(spk, int) else None,
+                    )
+                )
+    return clips
+
+
+def load(path: Path) -> np.ndarray:
+    audio, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    mono = audio.mean(axis=1)
+    if rate != RATE:
+        mono = soxr.resample(mono, rate, RATE)
+    return (np.clip(mono, -1, 1) * 32767).astype(np.int16)
+
+
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(round(seconds * RATE), np.int16)
+
+
+def speech_end_s(audio: np.ndarray, threshold: float = 0.5) -> float:
+    """Where the speech in `audio` ends: the end of the last 32 ms chunk Silero VAD calls speech."""
+    from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
+
+    x = audio.astype(np.float32) / 32768.0
+    k = len(x) // VAD_CHUNK_SAMPLES
+    (probs,) = SileroVad().probabilities([VadStream()], [x[: k * VAD_CHUNK_SAMPLES].reshape(k, -1)])
+    voiced = np.flatnonzero(probs >= threshold)
+    return float((voiced[-1] + 1) * VAD_CHUNK_SAMPLES / RATE) if len(voiced) else 0.0
