@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -261,55 +262,29 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
     return loadtest.main(args)
 
 
+BENCHMARKS = {  # `duplexd bench NAME`: the module whose `main(args)` runs it
+    "asr": "duplexd.bench.asr",
+    "llm": "duplexd.bench.llm",
+    "context": "duplexd.bench.context",
+    "voice": "duplexd.bench.voice",
+    "speculation": "duplexd.bench.speculation",
+    "replies": "duplexd.bench.replies",
+    "capacity": "duplexd.bench.capacity",
+    "overload": "duplexd.bench.capacity",  # (its `main` tells the two apart by `args.what`)
+    "collapse": "duplexd.bench.collapse",
+    "transport": "duplexd.bench.transport",
+    "chaos": "duplexd.bench.chaos",
+    "cluster": "duplexd.bench.cluster",
+}
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from duplexd.bench import asr as bench_asr
-
-    if args.what == "asr":
-        return bench_asr.main(args)
-    if args.what == "context":
-        from duplexd.bench import context as bench_context
-
-        return bench_context.main(args)
-    if args.what == "llm":
-        from duplexd.bench import llm as bench_llm
-
-        return bench_llm.main(args)
-    if args.what == "voice":
-        from duplexd.bench import voice as bench_voice
-
-        return bench_voice.main(args)
-    if args.what == "replies":
-        from duplexd.bench import replies as bench_replies
-
-        return bench_replies.main(args)
-    if args.what == "speculation":
-        from duplexd.bench import speculation as bench_speculation
-
-        return bench_speculation.main(args)
+    # --sessions is shared; its default depends on the benchmark.
     if args.what == "collapse":
-        from duplexd.bench import collapse as bench_collapse
-
         args.sessions = args.sessions or 6
-        return bench_collapse.main(args)
-    if args.what == "chaos":
-        from duplexd.bench import chaos as bench_chaos
-
-        return bench_chaos.main(args)
-    if args.what == "cluster":
-        from duplexd.bench import cluster as bench_cluster
-
-        return bench_cluster.main(args)
-    if args.what == "transport":
-        from duplexd.bench import transport as bench_transport
-
-        return bench_transport.main(args)
-    if args.what in ("capacity", "overload"):
-        from duplexd.bench import capacity as bench_capacity
-
-        if args.what == "overload" and args.sessions is None:
-            args.sessions = 2 * args.n_star
-        return bench_capacity.main(args)
-    raise SystemExit(f"unknown benchmark {args.what!r}")
+    if args.what == "overload" and args.sessions is None:
+        args.sessions = 2 * args.n_star
+    return importlib.import_module(BENCHMARKS[args.what]).main(args)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -429,23 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stream)
 
     p = sub.add_parser("bench", help="run a benchmark and write JSON")
-    p.add_argument(
-        "what",
-        choices=[
-            "asr",
-            "llm",
-            "context",
-            "voice",
-            "speculation",
-            "replies",
-            "capacity",
-            "overload",
-            "collapse",
-            "transport",
-            "chaos",
-            "cluster",
-        ],
-    )
+    p.add_argument("what", choices=list(BENCHMARKS))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument(
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"

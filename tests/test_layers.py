@@ -203,3 +203,13 @@ def test_the_scan_sees_imports_inside_functions_and_module_names_in_strings() ->
     assert any(module.startswith("duplexd.bench.") for module in cli)  # the bench table's module paths
     graph = {"a": {"b": []}, "b": {"c": [], "a": []}, "c": {"a": [], "d": []}, "d": {}}
     assert _cycles(graph) == [["a", "b", "a"], ["a", "b", "c", "a"]]
+
+
+def test_each_benchmark_is_a_bench_module_with_main() -> None:
+    """`duplexd bench NAME` imports the module `cli.BENCHMARKS` names and calls its `main(args)`."""
+    from duplexd.cli import BENCHMARKS
+
+    for name, module in BENCHMARKS.items():
+        assert _unit(module) == "bench" and _is_module(module), (name, module)
+        tree = ast.parse(ROOT.joinpath(*module.split(".")).with_suffix(".py").read_text(encoding="utf-8"))
+        assert any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body), (name, module)
