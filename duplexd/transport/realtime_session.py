@@ -1,6 +1,6 @@
 """`/v1/realtime`: an OpenAI Realtime session on the same session core as `/v1/stream`.
 
-The connection is a `_Connection` (the same `Session`, `Conversation`, workers, pacing, admission and
+The connection is a `Connection` (the same `Session`, `Conversation`, workers, pacing, admission and
 limits) that reads OpenAI client events and writes OpenAI server events instead of the native ones:
 
     input_audio_buffer.append     -> 24 kHz PCM16 frames into the Session (VAD, streaming ASR)
@@ -50,7 +50,7 @@ from duplexd.events import (
 from duplexd.streaming import conversation as cv
 from duplexd.transport import protocol
 from duplexd.transport import realtime as rt
-from duplexd.transport.server import CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, _Closing, _Connection
+from duplexd.transport.connection import CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, Connection, _Closing
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class _Pending:
     max_output_tokens: int | None
 
 
-class RealtimeConnection(_Connection):
+class RealtimeConnection(Connection):
     numbered = False
     reports_playback = False
 

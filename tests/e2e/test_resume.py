@@ -129,7 +129,7 @@ async def test_a_client_killed_mid_reply_resumes_with_nothing_lost_or_repeated(m
     # Every sample of the reply's audio arrived exactly once: the lengths agree to the sample.
     assert len(me.audio) // 2 == round(done["audio_ms"] * OUT_RATE / 1000)
     assert srv.server.counters["resumed"] == 1
-    srv.server._collect()
+    srv.server.control.collect()
     assert b"duplexd_session_resumes_total 1.0" in srv.server.metrics.render()
     await client.end()
     await client.close()

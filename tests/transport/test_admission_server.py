@@ -68,7 +68,7 @@ async def test_over_the_limit_a_session_is_refused_and_the_others_keep_going(mak
         assert m["duplexd_llm_step_sessions_count"] == m["duplexd_llm_step_seconds_count"]
         assert "duplexd_reply_lag_seconds" in m and "duplexd_tts_piece_seconds_count" in m
         # A scrape does not take the controller's samples: its period still sees these frames.
-        assert srv.server._signals()["frame_lag_ms"] is not None
+        assert srv.server.control.signals()["frame_lag_ms"] is not None
         await first.send(json.dumps({"type": "session.end"}))
         code, _ = await expect_close(first)
         assert code == 1000

@@ -1,0 +1,768 @@
+"""One session's connection: the handle of its session cores, and its current WebSocket.
+
+A reader feeds the session cores (`Session`, `Conversation`); a sender drains a bounded queue; in a
+conversation a pacer sends reply audio as the client plays it, and with the datagram path a timer repeats
+unacknowledged tokens. The native protocol is spoken here; `transport.realtime_session` speaks OpenAI's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
+
+from duplexd import commands as cmd
+from duplexd.errors import ErrorCode, Overloaded, ProtocolError
+from duplexd.events import (
+    Event,
+    ReplyDelta,
+    ReplyDone,
+    ReplyInterrupted,
+    ReplySpeculation,
+    ReplyStarted,
+    TurnEnded,
+)
+from duplexd.streaming import conversation as cv
+from duplexd.streaming.playout import Playout
+from duplexd.streaming.session import Session
+from duplexd.streaming.timeline import Timeline, TurnTiming
+from duplexd.transport import protocol
+from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, new_key
+from duplexd.transport.limits import AudioRateLimit
+from duplexd.transport.packetizer import Ack, Eloquent, Packet, SenderConfig
+from duplexd.transport.protocol import ServerType
+from duplexd.transport.resume import SentAudio, new_resume_token
+from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
+
+if TYPE_CHECKING:
+    from duplexd.transport.server import Server
+
+log = logging.getLogger(__name__)
+
+# RFC 6455 close codes.
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_PROTOCOL_ERROR = 1002
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_POLICY = 1008
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_WILL_RESUME = 4000  # a client closing with this code keeps its session for `session.resume`
+
+_FATAL_CLOSE = {
+    ErrorCode.UNSUPPORTED_VERSION: CLOSE_PROTOCOL_ERROR,
+    ErrorCode.NOT_STARTED: CLOSE_PROTOCOL_ERROR,
+    ErrorCode.BAD_SAMPLE_RATE: CLOSE_UNSUPPORTED_DATA,
+    ErrorCode.TOO_MANY_ERRORS: CLOSE_POLICY,
+    ErrorCode.RESUME_REFUSED: CLOSE_POLICY,
+}
+
+
+class _Closing(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class Connection:
+    """A session's handle and its current WebSocket: a reader that feeds the session cores, a sender that
+    drains a bounded queue, (in a conversation) a pacer that sends reply audio as the client plays it, and
+    (with the datagram path) a timer that repeats unacknowledged tokens.
+
+    The handle outlives a connection that drops: it waits `resume_grace_s` for `session.resume` on a new
+    WebSocket (`run(resume=...)`), keeping the reply tokens the client has not acknowledged and the reply
+    audio it may not have received; everything else it would have sent waits in the bounded queue."""
+
+    numbered = True  # native events carry `n` and are kept for a resume (Realtime has no resume)
+    reports_playback = True  # the client says what it has played (`playback`); Realtime clients never do
+
+    def __init__(self, server: Server, ws: ServerConnection) -> None:
+        self.server = server
+        self.ws = ws
+        self.attached = True
+        self.ended = False  # session.end, a fatal error, or a refusal: nothing to resume
+        self.resume: tuple[Connection, protocol.SessionResume] | None = None  # set on a resuming connection
+        self.resume_token = new_resume_token()
+        self._expiry: asyncio.TimerHandle | None = None
+        self._lost_while_detached = False
+        self._slow_close: asyncio.Task[None] | None = None  # closing a client that does not read
+        self._link_closed = asyncio.Event()
+        self.session: Session | None = None
+        self.conversation: cv.Conversation | None = None
+        self.dialog_sid: int | None = None
+        self.errors = 0
+        self._out: asyncio.Queue[str | bytes | None] = asyncio.Queue(maxsize=server.config.transport.outbound_queue)
+        self._overflowed = False
+        t = server.config.transport
+        self.playout = Playout(
+            OUTPUT_SAMPLE_RATE * t.audio_frame_ms // 1000, OUTPUT_SAMPLE_RATE * t.audio_lead_ms // 1000
+        )
+        self._audio_wake = asyncio.Event()
+        self.timeline = Timeline()  # the latest turn's latency breakdown, logged once per reply
+        # Playback position: the client's reports when it sends them, else real-time playback assumed.
+        self._reported: tuple[int, float] | None = None  # (samples played, when reported)
+        self._virtual = 0  # samples played by the assumed real-time client
+        self._virtual_at = time.monotonic()
+        self.tokens = Eloquent(
+            SenderConfig(
+                max_tokens=t.max_unacked_tokens,
+                max_bytes=t.max_unacked_bytes,
+                max_packet_bytes=MAX_PAYLOAD_BYTES - 64,
+            )
+        )
+        self.sent_audio = SentAudio(int(t.resume_audio_s * OUTPUT_SAMPLE_RATE))
+        self.dgram_tag: bytes | None = None
+        self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
+        self.audio_limit = AudioRateLimit(server.config.security.audio_burst_s)
+        self._event_n = 0  # events sent, numbered `n` (all but frame.ack)
+        self._event_log: deque[tuple[int, str]] = deque()  # (n, text) not yet acknowledged
+        self._event_log_max = t.resume_events
+        self._events_forgotten = 0  # the log dropped events up to here (its bound)
+        self._dgram_wake = asyncio.Event()
+
+    async def run(self, resume: protocol.SessionResume | None = None) -> None:
+        try:
+            if resume is not None:
+                await self._resumed(resume)
+            async with asyncio.TaskGroup() as tg:
+                sender = tg.create_task(self._send_loop())
+                timers = [tg.create_task(self._pace_loop()), tg.create_task(self._datagram_loop())]
+                try:
+                    await self._opening()
+                    await self._read_loop()
+                    self.send(None)  # let the sender finish what is queued, then stop
+                except _Closing as closing:
+                    self.ended = True
+                    self.send(None)
+                    await sender
+                    await self.ws.close(closing.code, closing.reason)
+                finally:
+                    for task in timers:
+                        task.cancel()
+        except* ConnectionClosed:
+            pass
+
+    async def _opening(self) -> None:
+        """Before the first message is read (the native protocol waits for `session.start`)."""
+
+    @property
+    def busy_replying(self) -> bool:
+        return self.conversation is not None and self.conversation.replying
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until everything queued for the client has been written."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._out.empty():
+                break
+            await asyncio.sleep(0.01)
+
+    def end_link(self) -> None:
+        """The WebSocket is gone: end the session, or keep it for a resume if the link merely dropped."""
+        self.attached = False
+        self._link_closed.set()
+        if self.session is None:
+            return
+        grace = self.server.config.transport.resume_grace_s if self.numbered else 0.0  # (Realtime: no resume)
+        close = self.ws.protocol.close_rcvd  # (None: the link failed without a closing handshake)
+        dropped = close is None or close.code == CLOSE_WILL_RESUME
+        if self.ended or self._overflowed or not dropped or grace <= 0:
+            self.release()
+            return
+        self.server.counters["detached"] += 1
+        self.session.note_reply_audio(False, time.monotonic())  # nobody is listening: not a server lag
+        self._expiry = asyncio.get_running_loop().call_later(grace, self._expire)
+        log.info(
+            "session %s detached; resumable for %.0f s",
+            self.session.id,
+            grace,
+            extra={"event": "session.detached", "session": self.session.id, "token_seq": self.tokens.last_seq},
+        )
+
+    def _expire(self) -> None:
+        if not self.attached and self.session is not None:
+            self.server.counters["expired"] += 1
+            log.info("session %s was not resumed", self.session.id, extra={"event": "session.expired"})
+            self.release()
+
+    async def _resumed(self, msg: protocol.SessionResume) -> None:
+        """Take over from the previous connection: tokens the client has not acknowledged, the audio it has
+        not received, then what was queued for it meanwhile."""
+        session = self.session
+        if session is None or self._lost_while_detached:
+            return await self._refuse_resume("the session has ended")
+        now = time.monotonic()
+        audio = round(msg.audio_ms * OUTPUT_SAMPLE_RATE / 1000)
+        if msg.token_seq > self.tokens.last_seq or audio > self.sent_audio.end + 1:
+            return await self._refuse_resume(
+                f"resume position (token {msg.token_seq}, {msg.audio_ms:.0f} ms) is past what was sent "
+                f"(token {self.tokens.last_seq}, {1000 * self.sent_audio.end / OUTPUT_SAMPLE_RATE:.0f} ms)"
+            )
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self.tokens.ack(Ack(msg.token_seq), now)
+        unacked = list(self.tokens.buffer.items)
+        frames, missing = self.sent_audio.since(audio)
+        resend = {f.seq: f for f in frames}
+        # What was queued for the old socket, in order: reply text goes again as tokens (above), audio
+        # frames from `sent_audio` (cut where the client's copy ends); frames sent before the drop but
+        # not received go first, since they left before anything still queued.
+        queued: list[str | bytes] = []
+        replay = msg.event_seq is not None
+        if replay:  # every event after the client's last, from the log (queued ones are in it too)
+            queued += [text for n, text in self._event_log if n > msg.event_seq]
+        while not self._out.empty():
+            item = self._out.get_nowait()
+            if isinstance(item, bytes):
+                f = resend.pop(protocol.BINARY_HEADER.unpack_from(item)[1], None)
+                if f is not None:
+                    queued.append(protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT))
+            elif item is not None and not replay and not item.startswith('{"type":"reply.delta"'):
+                queued.append(item)
+        self.attached = True
+        self._link_closed = asyncio.Event()
+        self.server.counters["resumed"] += 1
+        await self.ws.send(
+            protocol.dumps(
+                {
+                    "type": ServerType.SESSION_RESUMED,
+                    "session_id": session.id,
+                    "token_seq": unacked[0].token.seq if unacked else self.tokens.last_seq + 1,
+                    "tokens": [[p.token.reply, p.token.text] for p in unacked],
+                    "tokens_lost": max(0, self.tokens.evicted_through - msg.token_seq),
+                    "audio_ms": round(1000 * (audio + missing) / OUTPUT_SAMPLE_RATE, 3),
+                    "audio_lost_ms": round(1000 * missing / OUTPUT_SAMPLE_RATE, 3),
+                    "events_lost": max(0, self._events_forgotten - msg.event_seq) if replay else None,
+                }
+            )
+        )
+        for f in resend.values():  # (in order: a dict keeps insertion order)
+            await self.ws.send(protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT))
+        for item in queued:
+            self.send(item)
+        # The client plays from where its copy ended; until it reports, assume real time from now.
+        played = self._reported[0] if self._reported else self._virtual
+        self._reported = (played, now)
+        self._virtual, self._virtual_at = played, now
+        self._audio_wake.set()
+        log.info(
+            "session %s resumed at token %d, %.0f ms of audio",
+            session.id,
+            msg.token_seq,
+            msg.audio_ms,
+            extra={"event": "session.resumed", "session": session.id, "tokens_resent": len(unacked)},
+        )
+
+    async def _refuse_resume(self, message: str) -> None:
+        await self.ws.send(protocol.dumps(protocol.error_message(ErrorCode.RESUME_REFUSED, message)))
+        await self.ws.close(CLOSE_POLICY, ErrorCode.RESUME_REFUSED.value)
+
+    def release(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        if self.session is not None:
+            server = self.server
+            server.asr.unregister(self.session)
+            server.sessions.pop(self.session.id, None)
+            server.handles.pop(self.session.id, None)
+            if self.dgram_tag is not None and server.datagram is not None:
+                server.datagram.unregister(self.dgram_tag)
+            self.session.note_reply_audio(False, time.monotonic())
+            server.underrun_closed_s += self.session.underrun_s
+            log.info(
+                "session %s ended after %.1f s of audio",
+                self.session.id,
+                self.session.stream_s,
+                extra={
+                    "event": "session.ended",
+                    "session": self.session.id,
+                    "audio_s": round(self.session.stream_s, 2),
+                    "frames": self.session.frames,
+                    "reply_underrun_s": round(self.session.underrun_s, 3),
+                },
+            )
+            if self.dialog_sid is not None and server.dialog is not None:
+                server.dialog.close(self.dialog_sid)
+            if self.conversation is not None and server.tts is not None:
+                # Only the latest reply can have pieces queued: earlier ones were voiced or stopped.
+                server.tts.cancel((self.session.id, self.conversation.turns))
+            self.session = None
+            self.conversation = None
+            self.dialog_sid = None
+
+    # outbound
+
+    def send(self, msg: dict[str, Any] | str | bytes | None) -> None:
+        if self._overflowed:
+            return
+        if isinstance(msg, dict) and self.numbered and msg.get("type") != ServerType.FRAME_ACK:
+            # Numbered and kept until acknowledged, so a resume can replay what a dead socket swallowed.
+            self._event_n += 1
+            msg = protocol.dumps({**msg, "n": self._event_n})
+            self._event_log.append((self._event_n, msg))
+            if len(self._event_log) > self._event_log_max:
+                self._events_forgotten = self._event_log.popleft()[0]
+        try:
+            self._out.put_nowait(msg if msg is None or isinstance(msg, str | bytes) else protocol.dumps(msg))
+        except asyncio.QueueFull:
+            if not self.attached:  # too much happened while the client was away: it cannot resume losslessly
+                self._lost_while_detached = True
+                self._overflowed = True
+                self._expire()
+                return
+            # The client does not read fast enough; rather than buffer without bound, end the session.
+            self._overflowed = True
+            sid = self.session.id if self.session else None
+            log.warning("closing slow client %s", sid, extra={"event": "session.slow_client", "session": sid})
+            self.server.counters["slow_consumers"] += 1
+            self._slow_close = asyncio.get_running_loop().create_task(self._close_slow())
+
+    async def _close_slow(self) -> None:
+        """Close 1008 `slow_consumer` (the frame queues behind what the client has not read; a client that
+        reads again sees it), and drop the connection if it does not answer within 2 s."""
+        with contextlib.suppress(TimeoutError, ConnectionClosed):
+            await asyncio.wait_for(self.ws.close(CLOSE_POLICY, ErrorCode.SLOW_CONSUMER.value), 2.0)
+        if self.ws.transport is not None:
+            self.ws.transport.abort()
+
+    @property
+    def outbound_bytes(self) -> int:
+        """What waits to be written to this client: the queue, and the socket's user-space buffer."""
+        queued = sum(len(m) for m in list(self._out._queue) if m is not None)  # type: ignore[attr-defined]
+        transport = self.ws.transport
+        return queued + (transport.get_write_buffer_size() if transport is not None else 0)
+
+    # What goes out, in the native protocol (`_RealtimeConnection` speaks OpenAI's instead).
+
+    def _out_event(self, event: Event) -> None:
+        self.send(protocol.encode_event(event))
+
+    def _out_audio(self, seq: int, pcm: bytes) -> None:
+        self.send(protocol.encode_audio_frame(seq, pcm, protocol.BinaryKind.AUDIO_OUT))
+
+    def _out_error(self, code: ErrorCode, message: str, **extra: Any) -> None:
+        self.send(protocol.error_message(code, message, **extra))
+
+    def _started_message(self, msg: protocol.SessionStart, dialog: bool) -> dict[str, Any]:
+        t, server = self.server.config.transport, self.server
+        return {
+            "type": ServerType.SESSION_STARTED,
+            "session_id": self.session.id if self.session else None,
+            "node": t.node or None,
+            "version": protocol.PROTOCOL_VERSION,
+            "sample_rate": msg.sample_rate,
+            "dialog": dialog,
+            "output": {
+                "sample_rate": OUTPUT_SAMPLE_RATE,
+                "format": "pcm16",
+                "frame_ms": t.audio_frame_ms,
+                "lead_ms": t.audio_lead_ms,
+            },
+            "limits": {
+                "max_message_bytes": t.max_message_bytes,
+                "max_frame_ms": t.max_frame_ms,
+                "ack_interval_ms": t.ack_interval_ms,
+            },
+            "models": server.models(),
+            "resume": {"token": self.resume_token, "grace_s": t.resume_grace_s},
+            **self._open_datagram(msg),
+        }
+
+    def emit(self, events: list[Event]) -> None:
+        """Events of the session core (VAD, ASR): to the client, and into the conversation."""
+        for event in events:
+            self._out_event(event)
+        if self.conversation is not None:
+            self._dispatch(self.conversation.observe(events))
+            self._tick()
+
+    async def _send_loop(self) -> None:
+        while (msg := await self._out.get()) is not None:
+            await self.ws.send(msg)
+
+    def _send_token(self, reply: int, text: str) -> None:
+        """A reply token: kept until acknowledged; over the WebSocket once (reliable and ordered: redundancy
+        would add bytes, not robustness; a resume sends every unacknowledged one), over the datagram path
+        as an Eloquent packet (all unacknowledged tokens)."""
+        packets: list[Packet] = []
+        if self.dgram_tag is None:
+            self.tokens.add(reply, [text])
+        else:
+            packets = self.tokens.push(reply, [text], time.monotonic())
+        if self.attached:
+            self.send({"type": ServerType.REPLY_DELTA, "reply": reply, "text": text, "token_seq": self.tokens.last_seq})
+        datagram = self.server.datagram
+        if datagram is not None and self.dgram_tag is not None:
+            for packet in packets:
+                datagram.send(self.dgram_tag, packet)
+            self._dgram_wake.set()
+
+    def _on_datagram_ack(self, ack: Ack) -> None:
+        if ack.token_seq <= self.tokens.last_seq:  # (an authenticated client; a bad ack is just ignored)
+            self.tokens.ack(ack, time.monotonic())
+
+    async def _datagram_loop(self) -> None:
+        """Eloquent's tail: when no new token comes, the unacknowledged ones go again after an RTO."""
+        datagram = self.server.datagram
+        while True:
+            due = self.tokens.next_timer() if self.dgram_tag is not None else None
+            self._dgram_wake.clear()
+            if due is None:
+                await self._dgram_wake.wait()
+                continue
+            delay = due - time.monotonic()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(self._dgram_wake.wait(), delay)
+                except TimeoutError:
+                    pass
+                continue
+            for packet in self.tokens.poll(time.monotonic()):
+                if datagram is not None and self.dgram_tag is not None:
+                    datagram.send(self.dgram_tag, packet)
+
+    # the conversation
+
+    def _tick(self) -> None:
+        session, conv = self.session, self.conversation
+        if session is None or conv is None:
+            return
+        self._dispatch(
+            conv.tick(stream_s=session.heard_s, silence_ms=session.silence_ms, asr_settled=session.asr_settled)
+        )
+
+    def _dispatch(self, outputs: list[cv.Output]) -> None:
+        """Carry out the conversation's commands; send its events."""
+        server, session, conv = self.server, self.session, self.conversation
+        if session is None or conv is None or server.dialog is None or server.tts is None or self.dialog_sid is None:
+            return
+        for out in outputs:
+            self._time(out, session)
+            match out:
+                case cmd.AppendUserText() | cmd.StartReply() | cmd.DraftReply() | cmd.InterruptReply():
+                    server.dialog.submit(self.dialog_sid, out)
+                case cmd.ReplaceContext():
+                    server.dialog.submit(self.dialog_sid, out)
+                case cmd.Synthesize(reply=reply, index=index) if self.text_only:
+                    self._on_tts_audio(reply, index, np.zeros(0, np.float32))  # a text-only reply: no speech
+                case cmd.Synthesize(reply=reply, index=index, text=text):
+                    ahead_s = max(0, self.playout.sent + self.playout.queued - self._played()) / OUTPUT_SAMPLE_RATE
+                    server.tts.submit(
+                        (session.id, reply),
+                        text,
+                        lambda audio, r=reply, i=index: self._on_tts_audio(r, i, audio),
+                        deadline=time.monotonic() + ahead_s + 0.001 * index,
+                    )
+                case cmd.PrefetchSpeech(text=text):
+                    server.tts.prefetch(text)
+                case cmd.PlayAudio(reply=reply, samples=samples):
+                    self.playout.push(reply, samples)  # type: ignore[arg-type]
+                    self._audio_wake.set()
+                case cmd.EndAudio(reply=reply):
+                    self.playout.end(reply)
+                    self._audio_wake.set()
+                case cmd.StopAudio(reply=reply):
+                    self.playout.stop(reply)
+                    server.tts.cancel((session.id, reply))
+                    # The client drops what it had not played and jumps to the end of what it received.
+                    conv.rebase_output(self.playout.sent)
+                    self._virtual = self.playout.sent
+                    if self._reported is not None:
+                        self._reported = (self.playout.sent, time.monotonic())
+                case ReplyDelta(reply=reply, text=text):
+                    self._send_token(reply, text)
+                case _:
+                    self._out_event(out)
+        session.note_reply_audio(conv.starved and self.attached, time.monotonic())
+
+    def _time(self, out: cv.Output, session: Session) -> None:
+        """The turn's timeline: into the latency histograms when its first audio is ready, one log line when
+        its reply ends."""
+        now = time.monotonic()
+        match out:
+            case TurnEnded(turn=turn, text=text, eos_s=eos_s):  # (the audio arrives in real time)
+                self.timeline.turn_ended(turn, text, eos_at=now - max(0.0, session.heard_s - eos_s), now=now)
+            case ReplyStarted(reply=reply):
+                self.timeline.reply_started(reply)
+            case ReplyDelta(reply=reply, text=text):
+                self.timeline.token(reply, text, now)
+            case cmd.PlayAudio(reply=reply):
+                if (timing := self.timeline.audio(reply, now)) is not None:
+                    self.server.metrics.turn(timing)
+            case ReplyDone(reply=reply, text=text):
+                self._log_turn(session, self.timeline.reply_ended(reply, text))
+            case ReplyInterrupted(reply=reply):  # (the log keeps what was generated, not only what was heard)
+                self._log_turn(session, self.timeline.reply_ended(reply))
+
+    @staticmethod
+    def _log_turn(session: Session, timing: TurnTiming | None) -> None:
+        if timing is not None:
+            extra = {"event": "turn.timing", "session": session.id, **timing.fields()}
+            log.info("session %s %s", session.id, timing.summary(), extra=extra)
+
+    def _on_tts_audio(self, reply: int, index: int, audio: np.ndarray) -> None:
+        if self.conversation is not None:
+            self._dispatch(self.conversation.audio_ready(reply, index, audio))
+
+    def on_reply(self, reply: int, texts: list[str], done: bool) -> None:  # DialogClient
+        if self.conversation is not None:
+            self._dispatch(self.conversation.reply_text(reply, texts, done))
+
+    def on_p_end(self, p: float, version: int) -> None:  # DialogClient
+        if self.conversation is not None:
+            self.conversation.p_end_of_turn(p, version)
+            self._tick()
+
+    def on_draft(self, texts: list[str]) -> None:  # DialogClient
+        if self.conversation is not None:
+            self._dispatch(self.conversation.draft_text(texts))
+
+    def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
+        self._out_event(ReplySpeculation(reply, drafts, hit, draft_tokens))
+
+    def _played(self) -> int:
+        """Samples of the output stream the client has played by now."""
+        now = time.monotonic()
+        if self._reported is not None:
+            samples, at = self._reported
+            played = min(self.playout.sent, samples + int((now - at) * OUTPUT_SAMPLE_RATE))
+            if played == self.playout.sent and not self.reports_playback:
+                # Played to the end: from here the client waits. No report will correct the estimate, so
+                # the wait must not count as playing, or the next reply would go out that much too fast.
+                self._reported = (played, now)
+            return played
+        self._virtual = min(self.playout.sent, self._virtual + int((now - self._virtual_at) * OUTPUT_SAMPLE_RATE))
+        self._virtual_at = now
+        return self._virtual
+
+    async def _pace_loop(self) -> None:
+        frame_s = self.server.config.transport.audio_frame_ms / 1000
+        while True:
+            conv = self.conversation
+            if conv is None or not (conv.replying or self.playout.queued):
+                self._audio_wake.clear()
+                await self._audio_wake.wait()
+                continue
+            played = self._played()
+            frames, done = self.playout.take(played)
+            for seq, pcm in frames:
+                self.sent_audio.sent(seq, pcm)
+                self._out_audio(seq, pcm)
+            for reply in done:
+                self._dispatch(conv.audio_sent(reply))
+            self._dispatch(conv.played(played))
+            self._audio_wake.clear()
+            try:
+                await asyncio.wait_for(self._audio_wake.wait(), frame_s / 2)
+            except TimeoutError:
+                pass
+
+    # inbound
+
+    async def _read_loop(self) -> None:
+        idle_s = self.server.config.security.idle_timeout_s or None
+        while True:
+            try:
+                message = await asyncio.wait_for(self.ws.recv(), idle_s)
+            except TimeoutError:
+                self.ended = True
+                self._out_error(ErrorCode.IDLE_TIMEOUT, f"nothing received for {idle_s:.0f} s")
+                raise _Closing(CLOSE_POLICY, ErrorCode.IDLE_TIMEOUT.value) from None
+            except ConnectionClosedOK:
+                return
+            try:
+                if isinstance(message, str):
+                    done = await self._on_text(message)
+                    if done:
+                        return
+                else:
+                    await self._on_audio(message)
+            except ProtocolError as exc:
+                self._on_protocol_error(exc)
+            except Overloaded as exc:
+                self.ended = True
+                extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
+                self._out_error(ErrorCode.OVERLOADED, str(exc), **extra)
+                raise _Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
+
+    def _on_protocol_error(self, exc: ProtocolError) -> None:
+        self.server.counters["protocol_errors"] += 1
+        self.errors += 1
+        self._out_error(exc.code, exc.message)
+        if exc.fatal:
+            raise _Closing(_FATAL_CLOSE.get(exc.code, CLOSE_PROTOCOL_ERROR), exc.code.value)
+        if self.errors >= self.server.config.transport.max_errors:
+            self._out_error(ErrorCode.TOO_MANY_ERRORS, "too many protocol errors")
+            raise _Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
+
+    async def _on_text(self, data: str) -> bool:
+        msg = protocol.parse_text(data, self.server.limits)
+        if isinstance(msg, protocol.SessionStart | protocol.SessionResume):
+            if self.session is not None:
+                raise ProtocolError(ErrorCode.ALREADY_STARTED, "session already started")
+            if isinstance(msg, protocol.SessionResume):
+                target = self.server.find_resumable(msg)
+                if target.attached:  # its old socket has not failed yet (a half-open TCP connection): drop it
+                    if target.ws.transport is not None:
+                        target.ws.transport.abort()
+                    await asyncio.wait_for(target._link_closed.wait(), 5)
+                self.resume = (target, msg)
+                return True
+            await self._start(msg)
+            return False
+        if self.session is None:
+            raise ProtocolError(ErrorCode.NOT_STARTED, f"{type(msg).__name__} before session.start", fatal=True)
+        match msg:
+            case protocol.Playback(played_ms=played_ms):
+                self._on_playback(played_ms)
+                return False
+            case protocol.TokenAck(token_seq=seq, event_seq=events):
+                if seq is not None and seq > self.tokens.last_seq:
+                    raise ProtocolError(
+                        ErrorCode.BAD_ACK, f"ack.token_seq {seq} is past the last token sent ({self.tokens.last_seq})"
+                    )
+                if events is not None and events > self._event_n:
+                    raise ProtocolError(
+                        ErrorCode.BAD_ACK, f"ack.event_seq {events} is past the last event sent ({self._event_n})"
+                    )
+                if seq is not None:
+                    self.tokens.ack(Ack(seq), time.monotonic())
+                if events is not None:
+                    while self._event_log and self._event_log[0][0] <= events:
+                        self._event_log.popleft()
+                return False
+            case protocol.ReplyCancel():
+                if self.conversation is None or not self.conversation.replying:
+                    raise ProtocolError(ErrorCode.NO_REPLY, "reply.cancel with no reply in progress")
+                self._dispatch(self.conversation.cancel())
+                return False
+        await self._finish()
+        self.ended = True
+        return True
+
+    def _on_playback(self, played_ms: float) -> None:
+        sent_ms = 1000 * self.playout.sent / OUTPUT_SAMPLE_RATE
+        previous_ms = 1000 * self._reported[0] / OUTPUT_SAMPLE_RATE if self._reported else 0.0
+        if played_ms < 0 or not previous_ms - 1 <= played_ms <= sent_ms + 1:  # 1 ms for the client's rounding
+            raise ProtocolError(
+                ErrorCode.BAD_PLAYBACK,
+                f"playback.played_ms {played_ms:.1f} is outside [{previous_ms:.1f}, {sent_ms:.1f}] "
+                "(it must not go back or pass the audio sent)",
+            )
+        samples = min(self.playout.sent, round(played_ms * OUTPUT_SAMPLE_RATE / 1000))
+        self._reported = (max(samples, self._reported[0] if self._reported else 0), time.monotonic())
+        self.sent_audio.played(samples)
+        if self.conversation is not None:
+            self._dispatch(self.conversation.played(samples))
+
+    async def _start(self, msg: protocol.SessionStart) -> None:
+        server = self.server
+        if not server.admits():
+            server.counters["refused"] += 1
+            server.metrics.sessions_refused.inc()
+            retry = server.config.admission.retry_after_ms
+            log.info(
+                "refused a session: %d active, limit %d",
+                len(server.sessions),
+                server.admission.sessions,
+                extra={
+                    "event": "session.refused",
+                    "sessions": len(server.sessions),
+                    "limit": server.admission.sessions,
+                },
+            )
+            raise Overloaded(f"server is full ({len(server.sessions)} sessions)", retry_after_ms=retry)
+        dialog = msg.dialog and server.dialog is not None
+        session = Session(uuid.uuid4().hex, msg.sample_rate, server.config)
+        if dialog:
+            assert server.dialog is not None
+            server.starting += 1  # (admitted now: handshakes awaiting meanwhile see this one)
+            try:
+                self.dialog_sid = await server.dialog.open(self)  # raises PoolFull (Overloaded)
+            finally:
+                server.starting -= 1
+            self.conversation = self._new_conversation()
+        self.session = session
+        server.sessions[session.id] = session
+        server.handles[session.id] = self
+        server.counters["sessions"] += 1
+        server.metrics.sessions_admitted.inc()
+        log.info(
+            "session %s started (%d Hz, dialog %s)",
+            session.id,
+            msg.sample_rate,
+            dialog,
+            extra={"event": "session.started", "session": session.id, "sessions": len(server.sessions)},
+        )
+        server.asr.register(session, self.emit)
+        self.send(self._started_message(msg, dialog))
+
+    def _new_conversation(self) -> cv.Conversation:
+        spec, config, dialog = self.server.config.speculation, self.server.config, self.server.dialog
+        return cv.Conversation(
+            config.turn,
+            config.tts,
+            speculate=spec.enabled,
+            drafts=spec.drafts_per_session,
+            llm_p_end=dialog is None or dialog.engine.reports_p_end,
+        )
+
+    def _open_datagram(self, msg: protocol.SessionStart) -> dict[str, Any]:
+        datagram, t = self.server.datagram, self.server.config.transport
+        if not msg.datagram or datagram is None or self.conversation is None:
+            return {"datagram": None}
+        key = new_key()
+        self.dgram_tag = datagram.register(key, self._on_datagram_ack)
+        return {
+            "datagram": {
+                "host": t.datagram_host or t.host,
+                "port": datagram.port,
+                "tag": self.dgram_tag.hex(),
+                "key": base64.b64encode(key).decode(),
+            }
+        }
+
+    async def _on_audio(self, data: bytes) -> None:
+        session = self.session
+        if session is None:
+            raise ProtocolError(ErrorCode.NOT_STARTED, "audio before session.start", fatal=True)
+        frame = protocol.parse_binary(data, session.sample_rate, self.server.limits)
+        now = time.monotonic()
+        if not self.audio_limit.allow(len(frame.pcm) / 2 / session.sample_rate, now):
+            raise ProtocolError(
+                ErrorCode.RATE_LIMITED,
+                f"audio is arriving faster than real time ({self.audio_limit.ahead_s(now):.1f} s ahead, "
+                f"{self.audio_limit.burst_s:g} s allowed): frame {frame.seq} dropped",
+            )
+        chunks = session.accept_frame(frame.seq, frame.pcm, now)
+        await self._run_vad(session, chunks)
+
+    async def _run_vad(self, session: Session, chunks: Any) -> None:
+        probs = await self.server.vad.probabilities(session.vad_stream, chunks)
+        self.emit(session.apply_vad(chunks, probs, time.monotonic()))
+        if session.wants_pass():
+            self.server.asr.notify()
+
+    async def _finish(self) -> None:
+        """session.end: decode what was heard, send the last transcripts, then say goodbye."""
+        session = self.session
+        assert session is not None
+        await self._run_vad(session, session.flush_audio())
+        session.end_of_stream()
+        await self.server.asr.drained(session)
+        self.emit(session.finish_without_pass())
+        if self.conversation is not None:
+            self._dispatch(self.conversation.end())
+        self.send({"type": ServerType.SESSION_ENDED, "session_id": session.id})
