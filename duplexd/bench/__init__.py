@@ -1,5 +1,6 @@
-"""Benchmarks: `duplexd bench asr | llm | voice | speculation | capacity | overload` (each writes JSON and
-prints a short table)."""
+"""Benchmarks: `duplexd bench NAME`, NAME as in `cli.BENCHMARKS` (each writes JSON and prints a short
+table), and the loss simulator (`duplexd relay`). Bench imports the runtime and the clients; only the CLI
+imports bench (tests/test_layers.py)."""
 
 from __future__ import annotations
 
