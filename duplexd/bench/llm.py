@@ -30,7 +30,10 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from duplexd.dialog.attention import attend_one
 from duplexd.dialog.gguf_weights import ChatTokenizer, LlamaConfig, open_gguf, read_config, read_tokenizer
+from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
+from duplexd.dialog.model import Segment, Transformer
 from duplexd.dialog.models import gguf_path
 
 Kernel = Literal["gemm", "rowwise"]
@@ -360,6 +363,44 @@ def _kv_resident_max(engine: Any, tokenizer: ChatTokenizer, ids: list[int], chun
         engine.close(sid)
 
 
+@torch.inference_mode()
+def sequence_nll(model: Transformer, tokens: Sequence[int], window: WindowConfig | None, chunk: int = 256) -> float:
+    """Mean negative log-likelihood of `tokens[1:]` given the prefix, read through a bounded KV window
+    (`None`: full attention, i.e. a window as long as the text). The perplexity probe of `bench llm`."""
+    if len(tokens) < 2:
+        raise ValueError("need at least two tokens")
+    window = window or WindowConfig(sink_tokens=0, window_tokens=len(tokens))
+    chunk = min(chunk, window.window_tokens)
+    mc = model.config
+    pool = KvPool(
+        layers=mc.n_layers,
+        kv_heads=mc.n_kv_heads,
+        head_dim=mc.head_dim,
+        window=window,
+        slots=1,
+        dtype=model.tok_embeddings.weight.dtype,
+    )
+    state = WindowState(window)
+    rope = RopeTable(mc.head_dim, mc.rope_theta, cached=len(tokens))
+    scale = 1.0 / math.sqrt(mc.head_dim)
+    ids = torch.tensor(list(tokens))
+    total, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, chunk):
+        piece = ids[start : start + chunk]
+        plan = state.plan(len(piece), rope, mc.n_heads // mc.n_kv_heads)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan = plan) -> torch.Tensor:
+            return attend_one(pool.k[layer, 0], pool.v[layer, 0], q, k, v, plan, scale, window.sink_tokens)
+
+        logits = model.step(piece, [Segment(0, len(piece))], attend, None)
+        state.commit(plan)
+        targets = ids[start + 1 : start + 1 + len(piece)]
+        logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        total -= float(logp.gather(1, targets[:, None]).sum())
+        count += len(targets)
+    return total / count
+
+
 def _engine_parts(
     tokenizer: ChatTokenizer, quick: bool, skipped: dict[str, str], phases: dict[str, dict[str, float | None]]
 ) -> dict[str, Any]:
@@ -373,7 +414,7 @@ def _engine_parts(
         "ppl",
     )
     try:
-        from duplexd.dialog.engine import DialogEngine, EngineConfig, WindowConfig, sequence_nll
+        from duplexd.dialog.engine import DialogEngine, EngineConfig
     except ModuleNotFoundError as exc:
         if exc.name != "duplexd.dialog.engine":
             raise

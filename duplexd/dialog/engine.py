@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -41,10 +40,11 @@ import torch
 from torch import Tensor
 
 from duplexd.config import DialogConfig
+from duplexd.dialog.attention import step_attention
 from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.guard import banned_tokens, reply_end
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
-from duplexd.dialog.model import AttendFn, Segment, Transformer, apply_rope
+from duplexd.dialog.model import Segment, Transformer
 from duplexd.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ __all__ = [
     "Priority",
     "UnknownSession",
     "WindowConfig",
-    "sequence_nll",
 ]
 
 _DEFAULTS = DialogConfig()
@@ -576,9 +575,12 @@ class DialogEngine:
             tokens.extend(w.tokens)
             start += len(w.tokens)
         logits_rows = [seg.start + seg.length - 1 for seg, w in zip(segments, work, strict=True) if w.wants_logits]
-        logits = self.model.step(
-            torch.tensor(tokens), segments, self._attend_fn(work, segments), torch.tensor(logits_rows, dtype=torch.long)
+        attend = step_attention(
+            self.pool,
+            self.model.config.head_dim,
+            [(w.session.slot, w.plan, seg) for w, seg in zip(work, segments, strict=True)],
         )
+        logits = self.model.step(torch.tensor(tokens), segments, attend, torch.tensor(logits_rows, dtype=torch.long))
         out: dict[int, list[int]] = {}
         row = 0
         for w in work:
@@ -722,30 +724,6 @@ class DialogEngine:
         session.replying = False
         _queue(session, self.tokenizer.encode(self.format.reply_close))
 
-    def _attend_fn(self, work: Sequence[_Work], segments: Sequence[Segment]) -> AttendFn:
-        """Attention for one step: all one-token rows in one batched call, each longer chunk on its own."""
-        pool, scale = self.pool, 1.0 / math.sqrt(self.model.config.head_dim)
-        sinks = self.config.window.sink_tokens
-        singles = [(w, seg) for w, seg in zip(work, segments, strict=True) if seg.length == 1]
-        chunks = [(w, seg) for w, seg in zip(work, segments, strict=True) if seg.length > 1]
-        batch = _DecodeBatch.build(pool, [w.session.slot for w, _ in singles], [w.plan for w, _ in singles])
-        rows = torch.tensor([seg.start for _, seg in singles], dtype=torch.long)
-        all_single = len(singles) == len(work)
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            if all_single:
-                return batch.attend(pool, layer, q, k, v, scale, sinks)
-            out = torch.empty_like(q)
-            if singles:
-                out[rows] = batch.attend(pool, layer, q[rows], k[rows], v[rows], scale, sinks)
-            for w, seg in chunks:
-                span = slice(seg.start, seg.start + seg.length)
-                k_cache, v_cache = pool.k[layer, w.session.slot], pool.v[layer, w.session.slot]
-                out[span] = _attend_one(k_cache, v_cache, q[span], k[span], v[span], w.plan, scale, sinks)
-            return out
-
-        return attend
-
     def _get(self, sid: int) -> _Session:
         try:
             return self._sessions[sid]
@@ -785,141 +763,3 @@ def _chunks(n: int, size: int) -> list[int]:
 
 def _chain(key: int, piece: tuple[object, ...]) -> int:
     return hash((key, piece))
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeBatch:
-    """One-token rows of several sessions, attended in one batched call over each slot's full `S + W` rows.
-
-    Every such row is computed the same way whatever else is in the batch: the sink columns always with
-    the sink rotation, the window over all rows (unused ones masked), and per-(session, KV head) matmuls.
-    """
-
-    slots: Tensor
-    span: slice | None  # the slots as a slice when they are consecutive (a view instead of a gather)
-    rows: Tensor  # cache row each new key goes to
-    mask: Tensor  # [B, 1, 1, S + W + 1]
-    rot_abs: Tensor  # [B, D/2]
-    rot_sink: Tensor  # [B, D/2]
-
-    @classmethod
-    def build(cls, pool: KvPool, slots: list[int], plans: list[Plan]) -> _DecodeBatch:
-        capacity = pool.window.capacity
-        mask = torch.full((len(plans), capacity + 1), float("-inf"))
-        for i, plan in enumerate(plans):
-            mask[i, : plan.used] = plan.mask[0, : plan.used]
-            mask[i, capacity] = plan.mask[0, plan.used]
-        consecutive = bool(slots) and slots == list(range(slots[0], slots[0] + len(slots)))
-        return cls(
-            slots=torch.tensor(slots, dtype=torch.long),
-            span=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
-            rows=torch.cat([p.rows for p in plans]) if plans else torch.empty(0, dtype=torch.long),
-            mask=mask[:, None, None, :],
-            rot_abs=torch.cat([p.rot_abs for p in plans]) if plans else torch.empty(0),
-            rot_sink=torch.cat([p.rot_abs if p.rot_sink is None else p.rot_sink for p in plans])
-            if plans
-            else torch.empty(0),
-        )
-
-    def attend(self, pool: KvPool, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: int) -> Tensor:
-        """`q[B, H, D]`, `k`/`v[B, Hkv, D]` (pre-RoPE) -> `[B, H, D]`; the new keys/values go into the pool."""
-        b, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        if self.span is not None:
-            k_cache, v_cache = pool.k[layer, self.span], pool.v[layer, self.span]
-        else:
-            k_cache, v_cache = pool.k[layer].index_select(0, self.slots), pool.v[layer].index_select(0, self.slots)
-        q_abs = apply_rope(q, self.rot_abs).view(b, kv_heads, heads // kv_heads, dim)
-        k = apply_rope(k, self.rot_abs).unsqueeze(2)  # [B, Hkv, 1, D]
-        v = v.unsqueeze(2)
-        scores = [q_abs @ k_cache.transpose(-1, -2), q_abs @ k.transpose(-1, -2)]
-        if sinks:
-            q_sink = apply_rope(q, self.rot_sink).view(b, kv_heads, heads // kv_heads, dim)
-            scores[0][..., :sinks] = q_sink @ k_cache[:, :, :sinks].transpose(-1, -2)
-        probs = _attention_weights(torch.cat(scores, dim=-1), scale, self.mask, v.dtype)
-        capacity = k_cache.shape[2]
-        out = probs[..., :capacity] @ v_cache + probs[..., capacity:] * v
-        pool.k[layer, self.slots, :, self.rows] = k[:, :, 0]
-        pool.v[layer, self.slots, :, self.rows] = v[:, :, 0]
-        return out.reshape(b, heads, dim)
-
-
-def _attention_weights(scores: Tensor, scale: float, mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """Softmax of `scores * scale + mask` in float32, cast to `dtype`.
-
-    exp() of scores more than ~87 below the row's max underflows to subnormals, which x86 handles ~100x
-    slower (measured: a 1 s decode step instead of 40 ms; attention sinks make such gaps common). Raising
-    them to max - 80 before masking changes each weight by < 2e-35: nothing, in float32.
-    """
-    scores = scores.float() * scale
-    scores = torch.maximum(scores, scores.amax(-1, keepdim=True) - 80.0) + mask
-    return torch.softmax(scores, dim=-1).to(dtype)
-
-
-def _attend_one(
-    k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, plan: Plan, scale: float, sinks: int
-) -> Tensor:
-    """One session's attention for its `n` new tokens, then their keys/values go into the cache.
-
-    `k_cache`, `v_cache`: `[Hkv, S+W, D]` views of the pool; `q[n, H, D]`, `k`/`v[n, Hkv, D]` pre-RoPE.
-    """
-    n, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-
-    def by_kv_head(x: Tensor) -> Tensor:  # [n, H, D] -> [Hkv, group * n, D]
-        return x.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
-
-    q_abs = by_kv_head(apply_rope(q, plan.rot_abs))
-    k = apply_rope(k, plan.rot_abs).transpose(0, 1)  # [Hkv, n, D]
-    v = v.transpose(0, 1)
-    used = plan.used
-    old_k = k_cache[:, :used]
-    scores_old = q_abs @ old_k.transpose(1, 2)
-    if plan.rot_sink is not None and used:
-        s = min(sinks, used)
-        q_sink = by_kv_head(apply_rope(q, plan.rot_sink))
-        scores_old[:, :, :s] = q_sink @ old_k[:, :s].transpose(1, 2)
-    probs = _attention_weights(torch.cat([scores_old, q_abs @ k.transpose(1, 2)], dim=-1), scale, plan.mask, v.dtype)
-    out = probs[:, :, :used] @ v_cache[:, :used] + probs[:, :, used:] @ v
-    k_cache[:, plan.rows] = k
-    v_cache[:, plan.rows] = v
-    return out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
-
-
-@torch.inference_mode()
-def sequence_nll(model: Transformer, tokens: Sequence[int], window: WindowConfig | None, chunk: int = 256) -> float:
-    """Mean negative log-likelihood of `tokens[1:]` given the prefix, read through a bounded KV window
-    (`None`: full attention, i.e. a window as long as the text). The perplexity probe of `bench llm`."""
-    if len(tokens) < 2:
-        raise ValueError("need at least two tokens")
-    window = window or WindowConfig(sink_tokens=0, window_tokens=len(tokens))
-    chunk = min(chunk, window.window_tokens)
-    mc = model.config
-    pool = KvPool(
-        layers=mc.n_layers,
-        kv_heads=mc.n_kv_heads,
-        head_dim=mc.head_dim,
-        window=window,
-        slots=1,
-        dtype=model.tok_embeddings.weight.dtype,
-    )
-    state = WindowState(window)
-    rope = RopeTable(mc.head_dim, mc.rope_theta, cached=len(tokens))
-    scale = 1.0 / math.sqrt(mc.head_dim)
-    ids = torch.tensor(list(tokens))
-    total, count = 0.0, 0
-    for start in range(0, len(tokens) - 1, chunk):
-        piece = ids[start : start + chunk]
-        plan = state.plan(len(piece), rope, mc.n_heads // mc.n_kv_heads)
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, plan: Plan = plan) -> Tensor:
-            return _attend_one(pool.k[layer, 0], pool.v[layer, 0], q, k, v, plan, scale, window.sink_tokens)
-
-        logits = model.step(piece, [Segment(0, len(piece))], attend, None)
-        state.commit(plan)
-        targets = ids[start + 1 : start + 1 + len(piece)]
-        logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
-        total -= float(logp.gather(1, targets[:, None]).sum())
-        count += len(targets)
-    return total / count
