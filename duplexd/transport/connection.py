@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +31,7 @@ from duplexd.events import (
     TurnEnded,
 )
 from duplexd.streaming import conversation as cv
+from duplexd.streaming.clock import PlaybackClock
 from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
 from duplexd.streaming.timeline import Timeline, TurnTiming
@@ -40,7 +40,7 @@ from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, new_key
 from duplexd.transport.limits import AudioRateLimit
 from duplexd.transport.packetizer import Ack, Eloquent, Packet, SenderConfig
 from duplexd.transport.protocol import ServerType
-from duplexd.transport.resume import SentAudio, new_resume_token
+from duplexd.transport.resume import EventLog, SentAudio, new_resume_token
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 if TYPE_CHECKING:
@@ -109,10 +109,7 @@ class Connection:
         )
         self._audio_wake = asyncio.Event()
         self.timeline = Timeline()  # the latest turn's latency breakdown, logged once per reply
-        # Playback position: the client's reports when it sends them, else real-time playback assumed.
-        self._reported: tuple[int, float] | None = None  # (samples played, when reported)
-        self._virtual = 0  # samples played by the assumed real-time client
-        self._virtual_at = time.monotonic()
+        self.clock = PlaybackClock(time.monotonic(), reports=self.reports_playback)
         self.tokens = Eloquent(
             SenderConfig(
                 max_tokens=t.max_unacked_tokens,
@@ -124,10 +121,7 @@ class Connection:
         self.dgram_tag: bytes | None = None
         self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
         self.audio_limit = AudioRateLimit(server.config.security.audio_burst_s)
-        self._event_n = 0  # events sent, numbered `n` (all but frame.ack)
-        self._event_log: deque[tuple[int, str]] = deque()  # (n, text) not yet acknowledged
-        self._event_log_max = t.resume_events
-        self._events_forgotten = 0  # the log dropped events up to here (its bound)
+        self.events = EventLog(t.resume_events)  # (numbered: all but frame.ack)
         self._dgram_wake = asyncio.Event()
 
     async def run(self, resume: protocol.SessionResume | None = None) -> None:
@@ -221,7 +215,7 @@ class Connection:
         queued: list[str | bytes] = []
         replay = msg.event_seq is not None
         if replay:  # every event after the client's last, from the log (queued ones are in it too)
-            queued += [text for n, text in self._event_log if n > msg.event_seq]
+            queued += self.events.since(msg.event_seq)
         while not self._out.empty():
             item = self._out.get_nowait()
             if isinstance(item, bytes):
@@ -243,7 +237,7 @@ class Connection:
                     "tokens_lost": max(0, self.tokens.evicted_through - msg.token_seq),
                     "audio_ms": round(1000 * (audio + missing) / OUTPUT_SAMPLE_RATE, 3),
                     "audio_lost_ms": round(1000 * missing / OUTPUT_SAMPLE_RATE, 3),
-                    "events_lost": max(0, self._events_forgotten - msg.event_seq) if replay else None,
+                    "events_lost": self.events.lost_since(msg.event_seq) if replay else None,
                 }
             )
         )
@@ -252,9 +246,7 @@ class Connection:
         for item in queued:
             self.send(item)
         # The client plays from where its copy ended; until it reports, assume real time from now.
-        played = self._reported[0] if self._reported else self._virtual
-        self._reported = (played, now)
-        self._virtual, self._virtual_at = played, now
+        self.clock.resume(now)
         self._audio_wake.set()
         log.info(
             "session %s resumed at token %d, %.0f ms of audio",
@@ -309,11 +301,7 @@ class Connection:
             return
         if isinstance(msg, dict) and self.numbered and msg.get("type") != ServerType.FRAME_ACK:
             # Numbered and kept until acknowledged, so a resume can replay what a dead socket swallowed.
-            self._event_n += 1
-            msg = protocol.dumps({**msg, "n": self._event_n})
-            self._event_log.append((self._event_n, msg))
-            if len(self._event_log) > self._event_log_max:
-                self._events_forgotten = self._event_log.popleft()[0]
+            msg = self.events.add(msg)
         try:
             self._out.put_nowait(msg if msg is None or isinstance(msg, str | bytes) else protocol.dumps(msg))
         except asyncio.QueueFull:
@@ -478,9 +466,7 @@ class Connection:
                     server.tts.cancel((session.id, reply))
                     # The client drops what it had not played and jumps to the end of what it received.
                     conv.rebase_output(self.playout.sent)
-                    self._virtual = self.playout.sent
-                    if self._reported is not None:
-                        self._reported = (self.playout.sent, time.monotonic())
+                    self.clock.rebase(self.playout.sent, time.monotonic())
                 case ReplyDelta(reply=reply, text=text):
                     self._send_token(reply, text)
                 case _:
@@ -534,18 +520,7 @@ class Connection:
 
     def _played(self) -> int:
         """Samples of the output stream the client has played by now."""
-        now = time.monotonic()
-        if self._reported is not None:
-            samples, at = self._reported
-            played = min(self.playout.sent, samples + int((now - at) * OUTPUT_SAMPLE_RATE))
-            if played == self.playout.sent and not self.reports_playback:
-                # Played to the end: from here the client waits. No report will correct the estimate, so
-                # the wait must not count as playing, or the next reply would go out that much too fast.
-                self._reported = (played, now)
-            return played
-        self._virtual = min(self.playout.sent, self._virtual + int((now - self._virtual_at) * OUTPUT_SAMPLE_RATE))
-        self._virtual_at = now
-        return self._virtual
+        return self.clock.played(self.playout.sent, time.monotonic())
 
     async def _pace_loop(self) -> None:
         frame_s = self.server.config.transport.audio_frame_ms / 1000
@@ -633,15 +608,14 @@ class Connection:
                     raise ProtocolError(
                         ErrorCode.BAD_ACK, f"ack.token_seq {seq} is past the last token sent ({self.tokens.last_seq})"
                     )
-                if events is not None and events > self._event_n:
+                if events is not None and events > self.events.last:
                     raise ProtocolError(
-                        ErrorCode.BAD_ACK, f"ack.event_seq {events} is past the last event sent ({self._event_n})"
+                        ErrorCode.BAD_ACK, f"ack.event_seq {events} is past the last event sent ({self.events.last})"
                     )
                 if seq is not None:
                     self.tokens.ack(Ack(seq), time.monotonic())
                 if events is not None:
-                    while self._event_log and self._event_log[0][0] <= events:
-                        self._event_log.popleft()
+                    self.events.ack(events)
                 return False
             case protocol.ReplyCancel():
                 if self.conversation is None or not self.conversation.replying:
@@ -654,7 +628,7 @@ class Connection:
 
     def _on_playback(self, played_ms: float) -> None:
         sent_ms = 1000 * self.playout.sent / OUTPUT_SAMPLE_RATE
-        previous_ms = 1000 * self._reported[0] / OUTPUT_SAMPLE_RATE if self._reported else 0.0
+        previous_ms = 1000 * (self.clock.reported or 0) / OUTPUT_SAMPLE_RATE
         if played_ms < 0 or not previous_ms - 1 <= played_ms <= sent_ms + 1:  # 1 ms for the client's rounding
             raise ProtocolError(
                 ErrorCode.BAD_PLAYBACK,
@@ -662,7 +636,7 @@ class Connection:
                 "(it must not go back or pass the audio sent)",
             )
         samples = min(self.playout.sent, round(played_ms * OUTPUT_SAMPLE_RATE / 1000))
-        self._reported = (max(samples, self._reported[0] if self._reported else 0), time.monotonic())
+        self.clock.report(samples, time.monotonic())
         self.sent_audio.played(samples)
         if self.conversation is not None:
             self._dispatch(self.conversation.played(samples))

@@ -1,9 +1,11 @@
-"""What a session keeps so a client can reconnect and continue: the reply audio it may not have received.
+"""What a session keeps so a client can reconnect and continue: the events and the reply audio it may not
+have received.
 
 Reply tokens are kept by the Eloquent sender until acknowledged (`transport.packetizer`); reply audio by
 `SentAudio`: every frame sent since the client's last playback report (it cannot have played past what it
 received), bounded in samples. On `session.resume {audio_ms}` the frames from that position are sent
-again, the first one cut so the output stream continues exactly where the client's copy ends.
+again, the first one cut so the output stream continues exactly where the client's copy ends. Events by
+`EventLog`: numbered (`n`) and kept until the client acknowledges them (`ack.event_seq`), bounded in number.
 
 Pure: no I/O.
 """
@@ -14,6 +16,9 @@ import hmac
 import secrets
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
+
+from duplexd.transport import protocol
 
 
 def new_resume_token() -> str:
@@ -87,3 +92,35 @@ class SentAudio:
     def _forget(self) -> None:
         f = self._frames.popleft()
         self._samples -= len(f.pcm) // 2
+
+
+class EventLog:
+    """The events sent, numbered `n` from 1 and kept until acknowledged, at most `max_events` (the oldest are
+    forgotten, and a resume says how many were lost)."""
+
+    def __init__(self, max_events: int) -> None:
+        self.last = 0  # events numbered so far
+        self.forgotten = 0  # events up to this number are no longer kept
+        self._kept: deque[tuple[int, str]] = deque(maxlen=max_events)
+
+    def add(self, event: dict[str, Any]) -> str:
+        """Number `event` and keep it; its text as sent."""
+        self.last += 1
+        text = protocol.dumps({**event, "n": self.last})
+        if len(self._kept) == self._kept.maxlen:
+            self.forgotten = self._kept[0][0] if self._kept else self.last
+        self._kept.append((self.last, text))
+        return text
+
+    def ack(self, through: int) -> None:
+        """The client has every event up to `through`."""
+        while self._kept and self._kept[0][0] <= through:
+            self._kept.popleft()
+
+    def since(self, n: int) -> list[str]:
+        """The events kept after number `n`, in order."""
+        return [text for m, text in self._kept if m > n]
+
+    def lost_since(self, n: int) -> int:
+        """Events after `n` that were forgotten before the client could have them again."""
+        return max(0, self.forgotten - n)

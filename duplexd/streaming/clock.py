@@ -1,0 +1,61 @@
+"""Where the client's playback of the reply audio is. Pure: time is passed in.
+
+The output stream is counted in samples (24 kHz), the client's `playback.played_ms` timeline. A client that
+reports its playback anchors the clock; between reports (and for clients that never report, such as OpenAI
+Realtime clients) playback is assumed to run in real time from the last anchor, never past what was sent.
+"""
+
+from __future__ import annotations
+
+from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
+
+
+class PlaybackClock:
+    def __init__(self, now: float, *, reports: bool, rate: int = OUTPUT_SAMPLE_RATE) -> None:
+        """`reports`: the client reports its playback (the native protocol); else only the server's anchors
+        (`anchor`, `rebase`) correct the real-time assumption."""
+        self.reports = reports
+        self.rate = rate
+        self._anchor: tuple[int, float] | None = None  # (samples played, when): a report or a known position
+        self._virtual = 0  # samples played by the assumed real-time client, before any anchor
+        self._virtual_at = now
+
+    @property
+    def reported(self) -> int | None:
+        """Samples played at the last anchor (None: none yet)."""
+        return None if self._anchor is None else self._anchor[0]
+
+    def played(self, sent: int, now: float) -> int:
+        """Samples played by `now`, of the `sent` sent so far."""
+        if self._anchor is not None:
+            samples, at = self._anchor
+            played = min(sent, samples + int((now - at) * self.rate))
+            if played == sent and not self.reports:
+                # Played to the end: from here the client waits. No report will correct the estimate, so
+                # the wait must not count as playing, or the next reply would go out that much too fast.
+                self._anchor = (played, now)
+            return played
+        self._virtual = min(sent, self._virtual + int((now - self._virtual_at) * self.rate))
+        self._virtual_at = now
+        return self._virtual
+
+    def report(self, samples: int, now: float) -> None:
+        """The client says it has played `samples` (never backwards)."""
+        self._anchor = (max(samples, self.reported or 0), now)
+
+    def anchor(self, samples: int, now: float) -> None:
+        """The server knows the client's position: `samples` played at `now` (a truncate, a reply the client
+        takes as over)."""
+        self._anchor = (samples, now)
+
+    def rebase(self, sent: int, now: float) -> None:
+        """The client skips what it had not played (a stopped reply): it is at the end of what it received."""
+        self._virtual = sent
+        if self._anchor is not None:
+            self._anchor = (sent, now)
+
+    def resume(self, now: float) -> None:
+        """A new connection: the client plays on from where it was; until it reports, real time from now."""
+        played = self._anchor[0] if self._anchor is not None else self._virtual
+        self._anchor = (played, now)
+        self._virtual, self._virtual_at = played, now

@@ -1,0 +1,235 @@
+"""What a Realtime client is told: OpenAI's server events for what happens in the session core.
+
+    VAD speech start / stop          -> input_audio_buffer.speech_started / speech_stopped
+    committed words (LocalAgreement) -> conversation.item.input_audio_transcription.delta
+    end of turn                      -> input_audio_buffer.committed, conversation.item.added,
+                                        ...transcription.completed, conversation.item.done
+    reply                            -> response.created, rate_limits.updated, response.output_item.added,
+                                        conversation.item.added, response.content_part.added, transcript (or
+                                        text) deltas, output_audio deltas, ... .done, response.done
+
+Pure: each method returns the events to send, and keeps what the next ones need (the user item being spoken,
+the response in progress, the items).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from duplexd.events import Word
+from duplexd.transport import realtime as rt
+from duplexd.transport.realtime_items import Items
+from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
+
+Events = list[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class Response:
+    id: str
+    item_id: str
+    reply: int  # the conversation's reply number (0: out of band)
+    modalities: tuple[str, ...]
+    metadata: dict[str, str] | None = None
+    max_output_tokens: int | None = None
+    text: str = ""
+    audio_ms: float = 0.0
+
+    @property
+    def text_only(self) -> bool:
+        return self.modalities == ("text",)
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """`response.create`'s parameters, for the response it starts."""
+
+    modalities: tuple[str, ...] | None
+    metadata: dict[str, str] | None
+    max_output_tokens: int | None
+
+
+class RealtimeOut:
+    def __init__(self, ids: rt.Ids, items: Items, settings: rt.SessionSettings, conversation_id: str) -> None:
+        self.ids, self.items, self.settings = ids, items, settings
+        self.conversation_id = conversation_id
+        self.user_item: str | None = None  # the user item being spoken (audio), until its turn ends
+        self.response: Response | None = None  # the conversation's response in progress
+        self.next: Pending | None = None  # response.create's, for the next response
+        self.responded = False  # a response has ended (the idle timeout counts only after one)
+        self._utt_sent: dict[int, int] = {}  # utterance -> words already sent as transcription deltas
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "event_id": self.ids.new("event"), **fields}
+
+    # -- the user ------------------------------------------------------------------------------------------
+
+    def speech_started(self, t_s: float) -> Events:
+        if self.user_item is None:
+            self.user_item = self.ids.new("item")
+        return [
+            self.event("input_audio_buffer.speech_started", audio_start_ms=round(1000 * t_s), item_id=self.user_item)
+        ]
+
+    def speech_stopped(self, t_s: float) -> Events:
+        if self.user_item is None:
+            return []
+        return [self.event("input_audio_buffer.speech_stopped", audio_end_ms=round(1000 * t_s), item_id=self.user_item)]
+
+    def words(self, utterance: int, words: tuple[Word, ...], *, replying: bool) -> Events:
+        """The utterance's committed `words` so far: the new ones as a transcription delta (none while a
+        response is in progress: those words belong to the next turn)."""
+        sent = self._utt_sent.get(utterance, 0)
+        new = [w.text.strip() for w in words[sent:] if w.text.strip()]
+        self._utt_sent[utterance] = max(sent, len(words))
+        if not new or self.user_item is None or replying:
+            return []
+        delta = " ".join(new) + " "
+        kind = "conversation.item.input_audio_transcription.delta"
+        return [self.event(kind, item_id=self.user_item, content_index=0, delta=delta)]
+
+    def turn_ended(self, text: str, eos_s: float) -> Events:
+        """The user's spoken turn is over: its item, committed and transcribed."""
+        item_id, self.user_item = self.user_item, None
+        if item_id is None:  # a turn of typed items only: they were reported when created
+            return []
+        after = self.items.last
+        item: dict[str, Any] = {
+            "id": item_id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": "user",
+            "status": "completed",
+            "content": [{"type": "input_audio", "transcript": None}],
+        }
+        out = [
+            self.event("input_audio_buffer.committed", previous_item_id=after, item_id=item_id),
+            self.event("conversation.item.added", previous_item_id=after, item=dict(item)),
+            self.event(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=item_id,
+                content_index=0,
+                transcript=text,
+                usage={"type": "duration", "seconds": round(max(0.0, eos_s), 3)},
+            ),
+        ]
+        item["content"] = [{"type": "input_audio", "transcript": text}]
+        out.append(self.event("conversation.item.done", previous_item_id=after, item=item))
+        self.items.add(item)
+        return out
+
+    # -- the conversation's responses ---------------------------------------------------------------------
+
+    def response_started(self, reply: int, rate_limits: list[dict[str, Any]]) -> Events:
+        pending, self.next = self.next, None
+        if pending is None:  # (a reply of server VAD)
+            pending = Pending(None, None, self.settings.max_output_tokens)
+        modalities = pending.modalities or self.settings.output_modalities
+        ids = self.ids
+        r = Response(ids.new("resp"), ids.new("item"), reply, modalities, pending.metadata, pending.max_output_tokens)
+        self.response = r
+        item = self.message(r, "in_progress", [])
+        out = [
+            self.event("response.created", response=self.response_object(r, "in_progress")),
+            self.event("rate_limits.updated", rate_limits=rate_limits),
+            self.event("response.output_item.added", response_id=r.id, output_index=0, item=item),
+            self.event("conversation.item.added", previous_item_id=self.items.last, item=item),
+            self.event("response.content_part.added", **part_ids(r), part=part(r)),
+        ]
+        self.items.keep(item, reply)
+        return out
+
+    def token(self, reply: int, text: str) -> Events:
+        r = self.response
+        if r is None or r.reply != reply:
+            return []
+        r.text += text
+        kind = "response.output_text.delta" if r.text_only else "response.output_audio_transcript.delta"
+        return [self.event(kind, **part_ids(r), delta=text)]
+
+    def audio(self, pcm: bytes) -> Events:
+        r = self.response
+        if r is None or r.text_only:
+            return []
+        r.audio_ms += 1000 * len(pcm) / 2 / OUTPUT_SAMPLE_RATE
+        return [self.event("response.output_audio.delta", **part_ids(r), delta=rt.encode_audio(pcm))]
+
+    def response_done(self, reply: int, text: str, status: str, reason: str | None) -> Events:
+        """The response of `reply` ended: `completed`, `incomplete` (`max_output_tokens`) or `cancelled`
+        (`turn_detected`, `client_cancelled`), with `text` as it was heard."""
+        r = self.response
+        if r is None or r.reply != reply:
+            return []
+        self.response = None
+        r.text = text
+        ids = part_ids(r)
+        if r.text_only:
+            out = [self.event("response.output_text.done", **ids, text=text)]
+        else:
+            out = [
+                self.event("response.output_audio.done", **ids),
+                self.event("response.output_audio_transcript.done", **ids, transcript=text),
+            ]
+        out.append(self.event("response.content_part.done", **ids, part=part(r)))
+        item = self.message(r, "completed" if status == "completed" else "incomplete", [content(r)])
+        out.append(self.event("response.output_item.done", response_id=r.id, output_index=0, item=item))
+        out.append(self.event("conversation.item.done", previous_item_id=self.items.last, item=item))
+        self.items.keep(item, reply, r.audio_ms)
+        self.items.last = r.item_id
+        self.responded = True
+        out.append(self.event("response.done", response=self.response_object(r, status, [item], reason=reason)))
+        return out
+
+    # -- the objects in them ------------------------------------------------------------------------------
+
+    def response_object(
+        self,
+        r: Response,
+        status: str,
+        output: list[Any] | None = None,
+        *,
+        reason: str | None = None,
+        in_conversation: bool = True,
+    ) -> dict[str, Any]:
+        response = {
+            "id": r.id,
+            "object": "realtime.response",
+            "conversation_id": self.conversation_id if in_conversation else None,
+            "status": status,
+            "output": output or [],
+            "output_modalities": list(r.modalities),
+            "audio": {"output": {"format": rt.AUDIO_FORMAT, "voice": self.settings.voice}},
+            "max_output_tokens": "inf" if r.max_output_tokens is None else r.max_output_tokens,
+            "metadata": r.metadata,
+        }
+        if reason is not None:
+            response["status_details"] = {"type": status, "reason": reason}
+        return response
+
+    @staticmethod
+    def message(r: Response, status: str, content: list[Any]) -> dict[str, Any]:
+        return {
+            "id": r.item_id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
+
+
+def content(r: Response) -> dict[str, Any]:
+    if r.text_only:
+        return {"type": "output_text", "text": r.text}
+    return {"type": "output_audio", "transcript": r.text}
+
+
+def part(r: Response) -> dict[str, Any]:
+    if r.text_only:
+        return {"type": "text", "text": r.text}
+    return {"type": "audio", "transcript": r.text}
+
+
+def part_ids(r: Response) -> dict[str, Any]:
+    return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}

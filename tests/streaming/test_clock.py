@@ -1,0 +1,53 @@
+"""The playback clock: reports anchor it, real time runs on between them, never past what was sent."""
+
+from __future__ import annotations
+
+from duplexd.streaming.clock import PlaybackClock
+
+R = 1000  # samples per second, for round numbers
+
+
+def test_without_reports_playback_runs_in_real_time_up_to_what_was_sent() -> None:
+    clock = PlaybackClock(0.0, reports=True, rate=R)
+    assert clock.played(sent=5000, now=2.0) == 2000
+    assert clock.played(sent=5000, now=9.0) == 5000  # (not past the end)
+    assert clock.reported is None
+
+
+def test_a_report_anchors_the_clock_and_never_goes_back() -> None:
+    clock = PlaybackClock(0.0, reports=True, rate=R)
+    clock.report(1500, now=3.0)  # (the client is behind the real-time guess)
+    assert clock.played(sent=9000, now=4.0) == 2500
+    clock.report(1000, now=5.0)
+    assert clock.reported == 1500 and clock.played(sent=9000, now=5.0) == 1500
+
+
+def test_a_client_that_never_reports_does_not_play_while_it_waits() -> None:
+    """Played to the end, a Realtime client waits for more: the wait must not count as playback, or the
+    next reply would be paced that much too fast."""
+    waits = PlaybackClock(0.0, reports=False, rate=R)
+    waits.anchor(0, now=0.0)
+    assert waits.played(sent=1000, now=5.0) == 1000  # (ended at 1 s, then waited 4 s)
+    assert waits.played(sent=3000, now=6.0) == 2000  # the next reply starts now, not 4 s "played" already
+    reports = PlaybackClock(0.0, reports=True, rate=R)
+    reports.anchor(0, now=0.0)
+    reports.played(sent=1000, now=5.0)
+    assert reports.played(sent=3000, now=6.0) == 3000  # (a reporting client corrects the guess itself)
+
+
+def test_a_stopped_reply_jumps_the_client_to_the_end_of_what_it_received() -> None:
+    clock = PlaybackClock(0.0, reports=True, rate=R)
+    assert clock.played(sent=4000, now=1.0) == 1000
+    clock.rebase(4000, now=1.0)
+    assert clock.played(sent=4000, now=1.0) == 4000
+    anchored = PlaybackClock(0.0, reports=True, rate=R)
+    anchored.report(500, now=1.0)
+    anchored.rebase(4000, now=2.0)
+    assert anchored.reported == 4000 and anchored.played(sent=6000, now=3.0) == 5000
+
+
+def test_a_resume_plays_on_from_the_last_position_in_real_time_from_then() -> None:
+    clock = PlaybackClock(0.0, reports=True, rate=R)
+    clock.report(2000, now=2.0)
+    clock.resume(now=10.0)  # (8 s away: the client played nothing meanwhile)
+    assert clock.played(sent=9000, now=11.0) == 3000
