@@ -9,8 +9,8 @@ turns), as fast as the engine steps, twice per seed:
 - bounded: the server's engine, each session a slot of S + W rows (sinks + sliding window): resident KV
   never exceeds `sessions x (S + W)` rows by construction;
 - unbounded: slots sized for whole conversations (the window never evicts) and the same number of rows,
-  `sessions x (S + W)`, as a shared budget (`EngineConfig.kv_budget_tokens`): when a step needs more, the
-  session holding the most rows is preempted and recomputed later.
+  `sessions x (S + W)`, as a shared budget (`bench.baseline.UnboundedEngine`): when a step needs more,
+  idle sessions, then the newest, are preempted and recomputed later.
 
 A run collapses when a replying session waits more than `COLLAPSE_S` (2 s) between two of its tokens, or
 when it cannot finish within `--timeout` seconds. The workload is long enough that whole conversations
@@ -123,13 +123,14 @@ def run_once(engine: Any, mode: str, seed: int, sessions: int, turns: int, timeo
         worst_gap_s=round(max(u.worst_gap_s for u in users), 3),
         gap_p99_s=round(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 3) if gaps else 0.0,
         finished=finished,
-        preemptions=engine.stats["preemptions"],
-        recomputed_tokens=engine.stats["recomputed_tokens"],
+        preemptions=int(engine.stats.get("preemptions", 0)),  # (the bounded engine never preempts)
+        recomputed_tokens=int(engine.stats.get("recomputed_tokens", 0)),
         peak_rows=peak,
     )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from duplexd.bench.baseline import UnboundedEngine
     from duplexd.dialog.engine import DialogEngine, EngineConfig
     from duplexd.dialog.kv_window import WindowConfig
 
@@ -141,19 +142,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             window=WindowConfig(4, args.unbounded_window),
             max_sessions=args.sessions,
             max_reply_tokens=args.reply_tokens,
-            kv_budget_tokens=pool_rows,
         ),
     }
     base = DialogEngine.load(configs["bounded"])
     engines = {
         "bounded": base,
-        "unbounded": DialogEngine(base.model, base.tokenizer, configs["unbounded"]),
+        "unbounded": UnboundedEngine(base.model, base.tokenizer, configs["unbounded"], kv_budget_tokens=pool_rows),
     }
     runs: list[RunResult] = []
     for seed in range(args.runs):
         for mode in ("bounded", "unbounded") if seed % 2 == 0 else ("unbounded", "bounded"):
             engine = engines[mode]
-            engine.stats["preemptions"] = engine.stats["recomputed_tokens"] = 0
+            if mode == "unbounded":
+                engine.stats["preemptions"] = engine.stats["recomputed_tokens"] = 0
             r = run_once(engine, mode, seed, args.sessions, args.turns, args.timeout)
             runs.append(r)
             print(

@@ -178,9 +178,7 @@ def run(data: Path | None, config_path: Path | None, quick: bool) -> dict[str, A
             replies.append(score(turn, text, tokens, engine_config.max_reply_tokens))
     return {
         "machine": machine_info(),
-        "config": {
-            k: v for k, v in asdict(engine_config).items() if k not in ("window", "kv_budget_tokens", "max_sessions")
-        },
+        "config": {k: v for k, v in asdict(engine_config).items() if k not in ("window", "max_sessions")},
         "seconds": round(time.perf_counter() - t0, 1),
         "targets": TARGETS,
         **summary(replies),

@@ -88,12 +88,6 @@ class EngineConfig:
     """`float32` or `bfloat16` (weights, activations and KV)."""
     threads: int = _DEFAULTS.threads
     """torch intra-op threads for the engine worker; 0 keeps torch's default."""
-    kv_budget_tokens: int = 0
-    """0 (always, in the server): each session's KV is its slot, bounded by construction. > 0: the unbounded
-    baseline of `duplexd bench collapse`: slots sized for whole conversations (a `window` that never
-    evicts), and only this many KV rows resident over all sessions; a step that needs more preempts idle
-    sessions, then newer ones (their KV is dropped and recomputed from their tokens when they next run, as
-    vLLM's recompute preemption does)."""
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -113,8 +107,6 @@ class EngineConfig:
             n = getattr(self, name)
             if n != 0 and n < 2:
                 raise ValueError(f"EngineConfig.{name} must be 0 (off) or >= 2, got {n}")
-        if self.kv_budget_tokens < 0:
-            raise ValueError(f"EngineConfig.kv_budget_tokens must be >= 0, got {self.kv_budget_tokens}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
@@ -201,7 +193,6 @@ class _Session:
     p_end_of_turn: float | None = None
     served: int = 0  # step number when last given a prefill chunk (fairness)
     log: deque[tuple[int, int]] = field(default_factory=deque)  # (position, token) ingested, bounded below
-    evicted: list[int] = field(default_factory=list)  # (kv_budget_tokens) an idle session's preempted context
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,12 +234,9 @@ class DialogEngine:
             "busy_s": 0.0,
             "draft_steps": 0,
             "draft_busy_s": 0.0,
-            "preemptions": 0,  # (kv_budget_tokens only)
-            "recomputed_tokens": 0,
         }
         self.last_schedule: list[tuple[int, Priority]] = []  # sessions with work at the last step
         self.last_packed: list[tuple[int, str, int]] = []  # (session, `_kind`, tokens), in packing order
-        self._reserved = 0
         # (step seconds, sessions in the step, tokens in the step) for /metrics; the server drains it
         self.step_samples: deque[tuple[float, int, int]] = deque(maxlen=4096)
 
@@ -294,7 +282,7 @@ class DialogEngine:
             if system_prompt is None
             else ChatFormat.from_tokenizer(self.tokenizer, system_prompt).system
         )
-        _queue(session, self.tokenizer.encode(system))
+        self._queue(session, self.tokenizer.encode(system))
         self._sessions[session.id] = session
         return session.id
 
@@ -430,7 +418,7 @@ class DialogEngine:
             session.user_open = True
         else:
             session.user_words.extend(ids)
-        _queue(session, ids)
+        self._queue(session, ids)
         session.p_end_of_turn = None
 
     def p_end_of_turn(self, sid: int) -> float | None:
@@ -444,8 +432,8 @@ class DialogEngine:
         if session.replying:
             return
         if not session.user_open:
-            _queue(session, self.tokenizer.encode(self.format.user_open))
-        _queue(session, self.tokenizer.encode(self.format.user_close))
+            self._queue(session, self.tokenizer.encode(self.format.user_open))
+        self._queue(session, self.tokenizer.encode(self.format.user_close))
         session.answering = tuple(session.user_words) if session.user_open else ()
         session.user_words.clear()
         session.user_open = False
@@ -464,8 +452,8 @@ class DialogEngine:
             raise EngineError(f"dialog session {sid} is replying: an assistant turn cannot be appended now")
         self.start_reply(sid)
         session.replying = False
-        _queue(session, self.tokenizer.encode(text))
-        _queue(session, self.tokenizer.encode(self.format.reply_close))
+        self._queue(session, self.tokenizer.encode(text))
+        self._queue(session, self.tokenizer.encode(self.format.reply_close))
 
     def rewrite(
         self, sid: int, system_prompt: str | None, turns: Sequence[tuple[str, str]], open_user: str = ""
@@ -487,12 +475,11 @@ class DialogEngine:
         session.pending.clear()
         session.cuts.clear()
         session.log.clear()
-        session.evicted = []
         session.key = _chain(session.key, ("rewrite",))
         session.user_open, session.answering, session.reply = False, (), []
         session.user_words.clear()
         session.p_end_of_turn = None
-        _queue(session, self.tokenizer.encode(system))
+        self._queue(session, self.tokenizer.encode(system))
         for role, text in turns:
             if role == "assistant":
                 self.append_assistant_text(sid, text)
@@ -531,7 +518,7 @@ class DialogEngine:
                 session.log.pop()
             del session.reply[heard:]
             self._finish_reply(session)  # (its end marker, then the user's words again)
-            _queue(session, followed)
+            self._queue(session, followed)
             session.p_end_of_turn = None
             return
         ingested = session.window.n - session.reply_start  # reply tokens already in the KV
@@ -545,7 +532,7 @@ class DialogEngine:
         elif ingested >= 0:  # (< 0: the assistant header is still prefilling; the reply stays empty)
             session.pending.clear()
             session.cuts.clear()
-            _queue(session, session.reply[ingested:heard])
+            self._queue(session, session.reply[ingested:heard])
         del session.reply[heard:]
         self._finish_reply(session)
 
@@ -611,20 +598,19 @@ class DialogEngine:
 
     def _schedule(self) -> list[_Work]:
         budget = self.config.step_token_budget
-        self._reserved = 0  # KV rows this step will add (kv_budget_tokens only)
         work: list[_Work] = []
         ready = [s for s in self._sessions.values() if self._has_work(s)]
         real = [s for s in ready if s.priority is Priority.NORMAL]
         ready = real or ready  # drafts only get steps with nothing else to do
         self.last_schedule = [(s.id, s.priority) for s in ready]
         decode = [s for s in ready if s.replying and len(s.pending) == 1 and s.reply]
-        if self.config.kv_budget_tokens:
-            keep = {s.id for s in decode}
-            decode = [s for s in decode if self._make_room(s, 1, keep)]
+        decoding = {s.id for s in decode}
+        decode = [s for s in decode if self._admit(s, 1, decoding)]
         for s in decode:
             work.append(self._work(s, 1))
         budget -= len(decode)
         chosen = {s.id for s in decode}
+        in_step = set(chosen)
         waiting = sorted(
             (s for s in ready if s.id not in chosen),
             key=lambda s: (not s.replying, s.priority.value, s.served, s.id),
@@ -633,9 +619,10 @@ class DialogEngine:
             n = min(s.cuts[0], self.config.prefill_chunk)
             if n > budget and work:
                 continue
-            if self.config.kv_budget_tokens and not self._make_room(s, n, {w.session.id for w in work}):
+            if not self._admit(s, n, in_step):
                 continue
             work.append(self._work(s, n))
+            in_step.add(s.id)
             s.served = self.stats["steps"]
             budget -= n
             self.stats["prefill_tokens"] += n
@@ -645,44 +632,18 @@ class DialogEngine:
             self.stats["draft_steps"] += 1
         return work
 
-    def _make_room(self, owner: _Session, n: int, keep: set[int]) -> bool:
-        """`kv_budget_tokens` only: make room for `n` more rows of `owner` by preempting idle sessions (no
-        work queued: a conversation between turns), then sessions opened after `owner` (the newest first;
-        none in `keep`, already in this step), as vLLM preempts by arrival order: the oldest active session
-        always progresses, and two sessions never evict each other in turn. False if even that cannot make
-        room: the work waits (a stall)."""
-        budget = self.config.kv_budget_tokens
-        in_use = self.kv_rows() + self._reserved
-        victims = sorted(
-            (
-                s
-                for s in self._sessions.values()
-                if s.id not in keep and s.id != owner.id and s.window.resident and (not s.pending or s.id > owner.id)
-            ),
-            key=lambda s: (bool(s.pending), -s.id),
-        )
-        if in_use + n - sum(v.window.resident for v in victims) > budget:
-            return False  # not even preempting everyone else would make room
-        while in_use + n > budget:
-            victim = victims.pop(0)
-            in_use -= victim.window.resident
-            self._preempt(victim)
-        self._reserved += n
+    def _admit(self, session: _Session, n: int, in_step: set[int]) -> bool:
+        """Whether `session`'s next `n` tokens may go into this step (`in_step`: the sessions in it, or
+        decoding in it, which must keep their KV). Always, here: every session's KV is its own slot. The
+        hook of the unbounded baseline that `duplexd bench collapse` measures against (`bench/baseline.py`),
+        which must make room first."""
         return True
 
-    def _preempt(self, session: _Session) -> None:
-        """Drop the session's KV; its tokens are recomputed before its next work (at once if it has work
-        queued, else when it gets some)."""
-        tokens = [t for _, t in session.log]
-        session.window = WindowState(self.config.window)
-        session.log.clear()
-        if not session.pending:
-            session.evicted = tokens
-        elif tokens:
-            session.pending.extendleft(reversed(tokens))
-            session.cuts.appendleft(len(tokens))
-        self.stats["preemptions"] += 1
-        self.stats["recomputed_tokens"] += len(tokens)
+    def _queue(self, session: _Session, ids: Sequence[int]) -> None:
+        """Queue tokens as one piece: a chunk never spans two pieces (see "Lossless drafts" above)."""
+        if ids:
+            session.pending.extend(ids)
+            session.cuts.append(len(ids))
 
     def _work(self, session: _Session, n: int) -> _Work:
         tokens = list(itertools.islice(session.pending, n))
@@ -704,7 +665,7 @@ class DialogEngine:
             self._finish_reply(session)
             return None
         session.reply.append(token)
-        _queue(session, [token])
+        self._queue(session, [token])
         if keep is not None or len(session.reply) >= session.reply_cap:
             self._finish_reply(session)
         return token
@@ -722,7 +683,7 @@ class DialogEngine:
 
     def _finish_reply(self, session: _Session) -> None:
         session.replying = False
-        _queue(session, self.tokenizer.encode(self.format.reply_close))
+        self._queue(session, self.tokenizer.encode(self.format.reply_close))
 
     def _get(self, sid: int) -> _Session:
         try:
@@ -739,17 +700,6 @@ def _kind(session: _Session, decoding: set[int]) -> str:
     if session.priority is Priority.DRAFT:
         return "draft"
     return "reply" if session.replying else "listen"
-
-
-def _queue(session: _Session, ids: Sequence[int]) -> None:
-    """Queue tokens as one piece: a chunk never spans two pieces (see "Lossless drafts" above)."""
-    if ids:
-        if session.evicted:  # (kv_budget_tokens) the context comes back when the session has work again
-            session.pending.extendleft(reversed(session.evicted))
-            session.cuts.appendleft(len(session.evicted))
-            session.evicted = []
-        session.pending.extend(ids)
-        session.cuts.append(len(ids))
 
 
 def _at_limit(session: _Session) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from duplexd.bench.baseline import UnboundedEngine
 from duplexd.dialog.engine import ChatFormat, DialogEngine, EngineConfig, UnknownSession, WindowConfig
 from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.kv_window import PoolFull
@@ -400,14 +401,15 @@ def test_speaking_sessions_decode_first_on_a_recorded_schedule(smol) -> None:
 
 
 def test_the_unbounded_baseline_stays_in_its_budget_by_preempting_and_recomputing(smol) -> None:
-    """`kv_budget_tokens` (the baseline of `duplexd bench collapse`): resident rows never exceed the budget;
+    """`UnboundedEngine` (the baseline of `duplexd bench collapse`): resident rows never exceed the budget;
     when a step needs more, the session with the most rows is dropped and recomputed from its tokens, and
     its conversation goes on with the same reply."""
     config = {"window": WindowConfig(4, 508), "max_sessions": 3, "max_reply_tokens": 12}
     reference = make_engine(smol, **config)
     expected = [ask(reference, q)[1] for q in QUESTIONS]
     budget = int(2.5 * reference.kv_rows() / len(QUESTIONS))  # two conversations fit, not three
-    engine = make_engine(smol, **config, kv_budget_tokens=budget)
+    model, tokenizer = smol
+    engine = UnboundedEngine(model, tokenizer, EngineConfig(**config), kv_budget_tokens=budget)  # type: ignore[arg-type]
     sids = [engine.open() for _ in QUESTIONS]
     for sid, question in zip(sids, QUESTIONS, strict=True):
         engine.append_user_text(sid, question)
