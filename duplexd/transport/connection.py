@@ -8,7 +8,6 @@ unacknowledged tokens. The native protocol is spoken here; `transport.realtime_s
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import time
@@ -36,11 +35,10 @@ from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
 from duplexd.streaming.timeline import Timeline, TurnTiming
 from duplexd.transport import protocol
-from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, new_key
 from duplexd.transport.limits import AudioRateLimit
-from duplexd.transport.packetizer import Ack, Eloquent, Packet, SenderConfig
 from duplexd.transport.protocol import ServerType
 from duplexd.transport.resume import EventLog, SentAudio, new_resume_token
+from duplexd.transport.tokens import ReplyTokens
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 if TYPE_CHECKING:
@@ -110,19 +108,11 @@ class Connection:
         self._audio_wake = asyncio.Event()
         self.timeline = Timeline()  # the latest turn's latency breakdown, logged once per reply
         self.clock = PlaybackClock(time.monotonic(), reports=self.reports_playback)
-        self.tokens = Eloquent(
-            SenderConfig(
-                max_tokens=t.max_unacked_tokens,
-                max_bytes=t.max_unacked_bytes,
-                max_packet_bytes=MAX_PAYLOAD_BYTES - 64,
-            )
-        )
+        self.tokens = ReplyTokens(t, server.datagram)
         self.sent_audio = SentAudio(int(t.resume_audio_s * OUTPUT_SAMPLE_RATE))
-        self.dgram_tag: bytes | None = None
         self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
         self.audio_limit = AudioRateLimit(server.config.security.audio_burst_s)
         self.events = EventLog(t.resume_events)  # (numbered: all but frame.ack)
-        self._dgram_wake = asyncio.Event()
 
     async def run(self, resume: protocol.SessionResume | None = None) -> None:
         try:
@@ -130,7 +120,7 @@ class Connection:
                 await self._resumed(resume)
             async with asyncio.TaskGroup() as tg:
                 sender = tg.create_task(self._send_loop())
-                timers = [tg.create_task(self._pace_loop()), tg.create_task(self._datagram_loop())]
+                timers = [tg.create_task(self._pace_loop()), tg.create_task(self.tokens.run())]
                 try:
                     await self._opening()
                     await self._read_loop()
@@ -205,8 +195,8 @@ class Connection:
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
-        self.tokens.ack(Ack(msg.token_seq), now)
-        unacked = list(self.tokens.buffer.items)
+        self.tokens.ack(msg.token_seq, now)
+        unacked = list(self.tokens.sender.buffer.items)
         frames, missing = self.sent_audio.since(audio)
         resend = {f.seq: f for f in frames}
         # What was queued for the old socket, in order: reply text goes again as tokens (above), audio
@@ -234,7 +224,7 @@ class Connection:
                     "session_id": session.id,
                     "token_seq": unacked[0].token.seq if unacked else self.tokens.last_seq + 1,
                     "tokens": [[p.token.reply, p.token.text] for p in unacked],
-                    "tokens_lost": max(0, self.tokens.evicted_through - msg.token_seq),
+                    "tokens_lost": max(0, self.tokens.sender.evicted_through - msg.token_seq),
                     "audio_ms": round(1000 * (audio + missing) / OUTPUT_SAMPLE_RATE, 3),
                     "audio_lost_ms": round(1000 * missing / OUTPUT_SAMPLE_RATE, 3),
                     "events_lost": self.events.lost_since(msg.event_seq) if replay else None,
@@ -269,8 +259,7 @@ class Connection:
             server.asr.unregister(self.session)
             server.sessions.pop(self.session.id, None)
             server.handles.pop(self.session.id, None)
-            if self.dgram_tag is not None and server.datagram is not None:
-                server.datagram.unregister(self.dgram_tag)
+            self.tokens.close()
             self.session.note_reply_audio(False, time.monotonic())
             server.underrun_closed_s += self.session.underrun_s
             log.info(
@@ -381,45 +370,10 @@ class Connection:
             await self.ws.send(msg)
 
     def _send_token(self, reply: int, text: str) -> None:
-        """A reply token: kept until acknowledged; over the WebSocket once (reliable and ordered: redundancy
-        would add bytes, not robustness; a resume sends every unacknowledged one), over the datagram path
-        as an Eloquent packet (all unacknowledged tokens)."""
-        packets: list[Packet] = []
-        if self.dgram_tag is None:
-            self.tokens.add(reply, [text])
-        else:
-            packets = self.tokens.push(reply, [text], time.monotonic())
+        """A reply token: kept until acknowledged (`transport.tokens`); over the WebSocket once."""
+        seq = self.tokens.push(reply, text)
         if self.attached:
-            self.send({"type": ServerType.REPLY_DELTA, "reply": reply, "text": text, "token_seq": self.tokens.last_seq})
-        datagram = self.server.datagram
-        if datagram is not None and self.dgram_tag is not None:
-            for packet in packets:
-                datagram.send(self.dgram_tag, packet)
-            self._dgram_wake.set()
-
-    def _on_datagram_ack(self, ack: Ack) -> None:
-        if ack.token_seq <= self.tokens.last_seq:  # (an authenticated client; a bad ack is just ignored)
-            self.tokens.ack(ack, time.monotonic())
-
-    async def _datagram_loop(self) -> None:
-        """Eloquent's tail: when no new token comes, the unacknowledged ones go again after an RTO."""
-        datagram = self.server.datagram
-        while True:
-            due = self.tokens.next_timer() if self.dgram_tag is not None else None
-            self._dgram_wake.clear()
-            if due is None:
-                await self._dgram_wake.wait()
-                continue
-            delay = due - time.monotonic()
-            if delay > 0:
-                try:
-                    await asyncio.wait_for(self._dgram_wake.wait(), delay)
-                except TimeoutError:
-                    pass
-                continue
-            for packet in self.tokens.poll(time.monotonic()):
-                if datagram is not None and self.dgram_tag is not None:
-                    datagram.send(self.dgram_tag, packet)
+            self.send({"type": ServerType.REPLY_DELTA, "reply": reply, "text": text, "token_seq": seq})
 
     # the conversation
 
@@ -613,7 +567,7 @@ class Connection:
                         ErrorCode.BAD_ACK, f"ack.event_seq {events} is past the last event sent ({self.events.last})"
                     )
                 if seq is not None:
-                    self.tokens.ack(Ack(seq), time.monotonic())
+                    self.tokens.ack(seq, time.monotonic())
                 if events is not None:
                     self.events.ack(events)
                 return False
@@ -694,19 +648,9 @@ class Connection:
         )
 
     def _open_datagram(self, msg: protocol.SessionStart) -> dict[str, Any]:
-        datagram, t = self.server.datagram, self.server.config.transport
-        if not msg.datagram or datagram is None or self.conversation is None:
+        if not msg.datagram or self.conversation is None:
             return {"datagram": None}
-        key = new_key()
-        self.dgram_tag = datagram.register(key, self._on_datagram_ack)
-        return {
-            "datagram": {
-                "host": t.datagram_host or t.host,
-                "port": datagram.port,
-                "tag": self.dgram_tag.hex(),
-                "key": base64.b64encode(key).decode(),
-            }
-        }
+        return {"datagram": self.tokens.open_datagram()}
 
     async def _on_audio(self, data: bytes) -> None:
         session = self.session

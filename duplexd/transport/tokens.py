@@ -1,0 +1,97 @@
+"""A session's reply tokens on their way to the client.
+
+Every token is numbered and kept by the Eloquent sender until acknowledged (`ack.token_seq` over the
+WebSocket, or a datagram ack), so a resume can send again what a dead socket swallowed. Over the WebSocket a
+token goes once (reliable and ordered: redundancy would add bytes, not robustness). Over the datagram path,
+when the client opened one, each new token goes as an Eloquent packet carrying every unacknowledged token,
+and while no new token comes the unacknowledged ones go again after an RTO (`run`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Any
+
+from duplexd.config import TransportConfig
+from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, DatagramEndpoint, new_key
+from duplexd.transport.packetizer import Ack, Eloquent, Packet, SenderConfig
+
+
+class ReplyTokens:
+    def __init__(self, config: TransportConfig, datagram: DatagramEndpoint | None) -> None:
+        self.config = config
+        self.sender = Eloquent(
+            SenderConfig(
+                max_tokens=config.max_unacked_tokens,
+                max_bytes=config.max_unacked_bytes,
+                max_packet_bytes=MAX_PAYLOAD_BYTES - 64,
+            )
+        )
+        self._datagram = datagram
+        self.tag: bytes | None = None  # the client's datagram tag, once it opened the path
+        self._wake = asyncio.Event()
+
+    @property
+    def last_seq(self) -> int:
+        return self.sender.last_seq
+
+    def open_datagram(self) -> dict[str, Any] | None:
+        """Register the session on the datagram endpoint: what the client needs to reach it (None: no
+        endpoint on this server)."""
+        if self._datagram is None:
+            return None
+        key = new_key()
+        self.tag = self._datagram.register(key, self._on_datagram_ack)
+        return {
+            "host": self.config.datagram_host or self.config.host,
+            "port": self._datagram.port,
+            "tag": self.tag.hex(),
+            "key": base64.b64encode(key).decode(),
+        }
+
+    def close(self) -> None:
+        if self.tag is not None and self._datagram is not None:
+            self._datagram.unregister(self.tag)
+
+    def push(self, reply: int, text: str) -> int:
+        """A new token of `reply`: kept, and sent on the datagram path if open. Its number."""
+        packets: list[Packet] = []
+        if self.tag is None:
+            self.sender.add(reply, [text])
+        else:
+            packets = self.sender.push(reply, [text], time.monotonic())
+            self._send(packets)
+            self._wake.set()
+        return self.sender.last_seq
+
+    def ack(self, seq: int, now: float) -> None:
+        """The client has every token through `seq`."""
+        self.sender.ack(Ack(seq), now)
+
+    def _on_datagram_ack(self, ack: Ack) -> None:
+        if ack.token_seq <= self.sender.last_seq:  # (an authenticated client; a bad ack is just ignored)
+            self.sender.ack(ack, time.monotonic())
+
+    def _send(self, packets: list[Packet]) -> None:
+        if self._datagram is not None and self.tag is not None:
+            for packet in packets:
+                self._datagram.send(self.tag, packet)
+
+    async def run(self) -> None:
+        """Eloquent's tail: when no new token comes, the unacknowledged ones go again after an RTO."""
+        while True:
+            due = self.sender.next_timer() if self.tag is not None else None
+            self._wake.clear()
+            if due is None:
+                await self._wake.wait()
+                continue
+            delay = due - time.monotonic()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                except TimeoutError:
+                    pass
+                continue
+            self._send(self.sender.poll(time.monotonic()))
