@@ -47,6 +47,33 @@ class PoolFull(Overloaded):
     """Every KV slot is taken; the engine refuses new sessions instead of evicting someone's state."""
 
 
+class SlotTable:
+    """Numbered slots `0..slots-1` (conversations an engine holds at once), the lowest free one first.
+    Over capacity `allocate` raises `PoolFull`: a fast refusal, never an eviction. `what` names one slot
+    in the messages."""
+
+    def __init__(self, slots: int, what: str = "slot") -> None:
+        if slots < 1:
+            raise ValueError(f"a slot table needs at least one slot, got {slots}")
+        self.slots = slots
+        self._what = what
+        self._free = list(range(slots - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise PoolFull(f"all {self.slots} {self._what}s are in use")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.slots:
+            raise ValueError(f"{self._what} {slot} is not allocated")
+        self._free.append(slot)
+
+
 class KvPool:
     """Keys and values for `slots` sessions: `k`, `v` of shape `[layers, slots, kv_heads, S + W, head_dim]`."""
 
@@ -59,29 +86,25 @@ class KvPool:
         self.window = window
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
-        self._free = list(range(slots - 1, -1, -1))
+        self._table = SlotTable(slots, "KV slot")
 
     @property
     def slots(self) -> int:
-        return self.k.shape[1]
+        return self._table.slots
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return self._table.free
 
     @property
     def bytes_per_slot(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
     def allocate(self) -> int:
-        if not self._free:
-            raise PoolFull(f"all {self.slots} KV slots are in use")
-        return self._free.pop()
+        return self._table.allocate()
 
     def release(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.slots:
-            raise ValueError(f"KV slot {slot} is not allocated")
-        self._free.append(slot)
+        self._table.release(slot)
 
     def copy(self, src: int, dst: int, rows: int) -> None:
         """Copy the first `rows` rows of every layer from slot `src` to slot `dst` (a fork)."""

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from duplexd.config import DialogConfig
 from duplexd.dialog.engine import Priority, UnknownSession
 from duplexd.dialog.guard import reply_end
-from duplexd.dialog.kv_window import PoolFull
+from duplexd.dialog.kv_window import SlotTable
 from duplexd.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -142,22 +142,6 @@ class PieceTokenizer:
 
     def __len__(self) -> int:
         return len(self._pieces)
-
-
-class _Slots:
-    """The `pool` the server reports (`slots`, `free`): here a count of conversations, not KV rows."""
-
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
-        self.free = slots
-
-    def allocate(self) -> None:
-        if self.free == 0:
-            raise PoolFull(f"all {self.slots} dialog sessions are in use")
-        self.free -= 1
-
-    def release(self) -> None:
-        self.free += 1
 
 
 class _Stream:
@@ -282,6 +266,7 @@ def _error_message(body: bytes) -> str:
 @dataclass(eq=False)
 class _Conversation:
     id: int
+    slot: int  # of `RemoteDialogEngine.pool`: a conversation held, not KV rows (the remote server has those)
     system: str
     priority: Priority
     decode_limit: int | None = None
@@ -307,7 +292,7 @@ class RemoteDialogEngine:
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config
         self.tokenizer = PieceTokenizer()
-        self.pool = _Slots(config.max_sessions)
+        self.pool = SlotTable(config.max_sessions, "dialog session")
         self._sessions: dict[int, _Conversation] = {}
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
@@ -342,10 +327,11 @@ class RemoteDialogEngine:
         """Start a conversation. Raises `PoolFull` when `max_sessions` are open. `max_reply_tokens`,
         `max_reply_sentences` (0: none): this conversation's reply limits, in pieces and sentences (None:
         those of the configuration)."""
-        self.pool.allocate()
+        slot = self.pool.allocate()
         system = self.config.system_prompt if system_prompt is None else system_prompt
         conv = _Conversation(
             next(self._ids),
+            slot,
             system,
             priority,
             reply_cap=max_reply_tokens or self.config.max_reply_tokens,
@@ -359,7 +345,7 @@ class RemoteDialogEngine:
         self._cancel(conv)
         self.tokenizer.forget(conv.reply)
         del self._sessions[sid]
-        self.pool.release()
+        self.pool.release(conv.slot)
 
     def fork(self, sid: int, *, priority: Priority = Priority.DRAFT, decode_limit: int | None = None) -> int:
         """A copy of a conversation that is not replying (a draft). Raises `PoolFull`, or `EngineError`
@@ -367,9 +353,10 @@ class RemoteDialogEngine:
         parent = self._get(sid)
         if parent.replying:
             raise EngineError(f"remote dialog session {sid} is replying: it cannot be forked")
-        self.pool.allocate()
+        slot = self.pool.allocate()
         child = _Conversation(
             next(self._ids),
+            slot,
             parent.system,
             priority,
             decode_limit=decode_limit,
@@ -391,7 +378,7 @@ class RemoteDialogEngine:
         self._cancel(parent)
         self.tokenizer.forget(parent.reply)
         del self._sessions[draft]
-        self.pool.release()
+        self.pool.release(parent.slot)
         child.id, child.priority, child.decode_limit = sid, parent.priority, None
         self._sessions[sid] = child
 

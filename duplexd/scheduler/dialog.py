@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from duplexd.commands import AppendUserText, DraftReply, InterruptReply, ReplaceContext, StartReply
 from duplexd.config import SpeculationConfig
@@ -37,14 +37,38 @@ _DRAFT_SHOWN_AT = 6  # reply tokens: a first spoken piece (two words, or a short
 DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply | ReplaceContext
 
 
+class ModelNamed(Protocol):
+    """An engine's configuration, as far as the worker and the server read it."""
+
+    @property
+    def model(self) -> str: ...
+
+
+class TokenDecoder(Protocol):
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
+
+
+class Slots(Protocol):
+    """Conversations an engine can hold (`kv_window.SlotTable`, or the `KvPool` behind one)."""
+
+    @property
+    def slots(self) -> int: ...
+    @property
+    def free(self) -> int: ...
+
+
 class LlmEngine(Protocol):
     """What the worker and the server use of a dialog engine: `DialogEngine` (in process, the KV window,
     lossless drafts) and `dialog.remote.RemoteDialogEngine` (an OpenAI-compatible server) both provide it.
     Not thread-safe: one worker calls it, `step()` on the worker's thread."""
 
-    config: Any  # .model: its name
-    tokenizer: Any  # .decode(token ids) -> text
-    pool: Any  # .slots, .free: conversation slots
+    @property
+    def config(self) -> ModelNamed: ...
+    @property
+    def tokenizer(self) -> TokenDecoder: ...  # reply token ids -> text
+    @property
+    def pool(self) -> Slots: ...
+
     stats: dict[str, float]
     step_samples: deque[tuple[float, int, int]]  # (seconds, sessions, tokens) per step, for /metrics
     reports_p_end: bool  # p_end_of_turn gives a probability (else drafts go at the pause: early requests)
@@ -63,8 +87,6 @@ class LlmEngine(Protocol):
     def state_key(self, sid: int) -> int: ...
     def steps_to_reply(self, sid: int) -> int: ...
     def parked(self, sid: int) -> bool: ...
-    @property
-    def free_slots(self) -> int: ...
     def replying(self, sid: int) -> bool: ...
     def reply_tokens(self, sid: int) -> list[int]: ...
     def busy(self, *, drafts: bool = True) -> bool: ...
@@ -75,7 +97,7 @@ class LlmEngine(Protocol):
     def rewrite(
         self, sid: int, system_prompt: str | None, turns: Sequence[tuple[str, str]], open_user: str = ""
     ) -> None: ...
-    def step(self) -> Any: ...
+    def step(self) -> dict[int, list[int]]: ...
 
 
 class DialogClient(Protocol):
@@ -300,7 +322,7 @@ class DialogWorker:
         if engine.replying(sid):
             return
         base = engine.state_key(sid)
-        if engine.free_slots == 0:
+        if engine.pool.free == 0:
             self.stats.skipped += 1
             return
         draft = engine.fork(sid, decode_limit=self.speculation.draft_tokens)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from duplexd.dialog.kv_window import KvPool, PoolFull, RopeTable, WindowConfig, WindowState
+from duplexd.dialog.kv_window import KvPool, PoolFull, RopeTable, SlotTable, WindowConfig, WindowState
 from duplexd.errors import Overloaded
 
 ROPE = RopeTable(head_dim=8, theta=10000.0, cached=64)
@@ -125,6 +125,20 @@ def test_pool_refuses_rather_than_evicts() -> None:
     with pytest.raises(ValueError):
         pool.release(7)
     assert pool.bytes_per_slot == 2 * 2 * 1 * 4 * 4 * 4
+
+
+def test_a_slot_table_counts_conversations_and_refuses_over_capacity() -> None:
+    """The remote backend's conversations are counted by the same table as the KV pool's slots."""
+    table = SlotTable(2, "dialog session")
+    assert [table.allocate(), table.allocate()] == [0, 1] and table.free == 0 and table.slots == 2
+    with pytest.raises(PoolFull, match="all 2 dialog sessions are in use"):
+        table.allocate()
+    table.release(1)
+    with pytest.raises(ValueError, match="dialog session 1 is not allocated"):
+        table.release(1)
+    assert table.free == 1 and table.allocate() == 1
+    with pytest.raises(ValueError):
+        SlotTable(0)
 
 
 def test_pool_copy_copies_only_the_slot() -> None:
