@@ -14,15 +14,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from duplexd.asr.engine import ASR_SAMPLE_RATE, AsrEngine
+from duplexd.asr.engine import ASR_SAMPLE_RATE, AsrEngine, Transcription
+from duplexd.asr.streaming import PassRequest
 from duplexd.asr.vad import SileroVad, VadStream
 from duplexd.errors import Overloaded
 from duplexd.events import Event
 from duplexd.scheduler.hrrn import Candidate, Choice, PassCost, pick
-from duplexd.streaming.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,25 @@ class VadWorker:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
+class AsrJob(Protocol):
+    """What the scheduler asks of a stream that needs recognizer passes (a `streaming.Session`)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def asr_lag_s(self) -> float: ...
+    @property
+    def pass_in_flight(self) -> bool: ...
+    def wants_pass(self) -> bool: ...
+    def next_window_s(self) -> float: ...
+    def prepare_pass(self) -> PassRequest: ...
+    def apply_pass(self, request: PassRequest, result: Transcription) -> list[Event]: ...
+    def abort_pass(self, request: PassRequest) -> list[Event]: ...
+
+
 @dataclass(slots=True)
 class _Client:
-    session: Session
+    session: AsrJob
     emit: Callable[[list[Event]], None]
     last_pass: float
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -103,16 +120,16 @@ class AsrScheduler:
         self.schedule: deque[Choice] = deque(maxlen=256)  # recent choices, with every candidate's ratio
         self.busy = False  # a pass is running (low-priority work elsewhere waits for it)
 
-    def register(self, session: Session, emit: Callable[[list[Event]], None]) -> None:
+    def register(self, session: AsrJob, emit: Callable[[list[Event]], None]) -> None:
         self._clients[session.id] = _Client(session, emit, time.monotonic())
 
-    def unregister(self, session: Session) -> None:
+    def unregister(self, session: AsrJob) -> None:
         self._clients.pop(session.id, None)
 
     def notify(self) -> None:
         self._wake.set()
 
-    async def drained(self, session: Session) -> None:
+    async def drained(self, session: AsrJob) -> None:
         """Wait until `session` has no pass due or in flight."""
         client = self._clients[session.id]
         while session.wants_pass() or session.pass_in_flight:
