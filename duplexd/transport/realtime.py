@@ -1,8 +1,9 @@
 """The OpenAI Realtime protocol (GA, as the official `openai` package models it) on duplexd's session core.
 
 Pure: client events in (JSON text) -> typed messages, or a `RealtimeError` shaped like OpenAI's `error`
-event; server events out as plain dicts. `transport.realtime_session` is the shell that maps them onto the
-same `Session` + `Conversation` + workers as the native protocol (docs/protocol.md, "OpenAI Realtime").
+event (the server events are built by `transport.realtime_out`). `transport.realtime_session` is the shell
+that maps them onto the same `Session` + `Conversation` + workers as the native protocol (docs/protocol.md,
+"OpenAI Realtime").
 
 Errors only where OpenAI errors: every field of the GA session and response objects is accepted. Those that
 map onto duplexd are honoured; the others are listed in `ignored` (dotted paths, only where the value asks
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -484,93 +484,3 @@ def _parse_item(item: object, previous_item_id: str | None) -> ItemCreate:
         parts.append({k: v for k, v in part.items() if k not in ("audio", "image_url")})  # (not kept: size)
     kept = {**item, "content": parts}
     return ItemCreate(kept, role, " ".join(texts), item_id, previous_item_id)
-
-
-# -- server events ----------------------------------------------------------------------------------------
-
-
-class Ids:
-    """Event, item and response ids of one session (`event_1`, `item_1`, ...)."""
-
-    def __init__(self, session_id: str) -> None:
-        self.session_id = session_id
-        self._counter = itertools.count(1)
-
-    def new(self, prefix: str) -> str:
-        return f"{prefix}_{next(self._counter)}"
-
-
-@dataclass(frozen=True, slots=True)
-class VadDefaults:
-    """The server's own values, shown where a `server_vad` leaves a field out."""
-
-    threshold: float
-    prefix_padding_ms: int
-    silence_duration_ms: int
-
-
-def turn_detection_object(td: TurnDetection | None, defaults: VadDefaults) -> dict[str, Any] | None:
-    if td is None:
-        return None
-    if td.type == "semantic_vad":
-        return {
-            "type": "semantic_vad",
-            "eagerness": td.eagerness,
-            "create_response": td.create_response,
-            "interrupt_response": td.interrupt_response,
-        }
-    return {
-        "type": "server_vad",
-        "threshold": defaults.threshold if td.threshold is None else td.threshold,
-        "prefix_padding_ms": defaults.prefix_padding_ms if td.prefix_padding_ms is None else td.prefix_padding_ms,
-        "silence_duration_ms": defaults.silence_duration_ms
-        if td.silence_duration_ms is None
-        else td.silence_duration_ms,
-        "idle_timeout_ms": td.idle_timeout_ms,
-        "create_response": td.create_response,
-        "interrupt_response": td.interrupt_response,
-    }
-
-
-def session_object(session_id: str, s: SessionSettings, defaults: VadDefaults) -> dict[str, Any]:
-    """The session as it is in effect (`session.created`, `session.updated`)."""
-    return {
-        "type": "realtime",
-        "object": "realtime.session",
-        "id": session_id,
-        "model": MODEL_NAME,
-        "output_modalities": list(s.output_modalities),
-        "instructions": s.instructions,
-        "tools": [],
-        "tool_choice": s.tool_choice,
-        "max_output_tokens": "inf" if s.max_output_tokens is None else s.max_output_tokens,
-        "tracing": None,
-        "truncation": "auto",
-        "audio": {
-            "input": {
-                "format": AUDIO_FORMAT,
-                "transcription": {"model": "whisper-tiny.en"},
-                "noise_reduction": None,
-                "turn_detection": turn_detection_object(s.turn_detection, defaults),
-            },
-            "output": {"format": AUDIO_FORMAT, "voice": s.voice, "speed": 1.0},
-        },
-    }
-
-
-def error_event(ids: Ids, exc: RealtimeError, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {
-        "type": "error",
-        "event_id": ids.new("event"),
-        "error": {
-            "type": kind,
-            "code": exc.code,
-            "message": exc.message,
-            "param": exc.param,
-            "event_id": exc.event_id,
-        },
-    }
-
-
-def encode_audio(pcm: bytes) -> str:
-    return base64.b64encode(pcm).decode()

@@ -14,6 +14,8 @@ the response in progress, the items).
 
 from __future__ import annotations
 
+import base64
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +52,101 @@ class Pending:
     max_output_tokens: int | None
 
 
+# -- ids, session objects, errors ----------------------------------------------------------------------
+
+
+class Ids:
+    """Event, item and response ids of one session (`event_1`, `item_1`, ...)."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self._counter = itertools.count(1)
+
+    def new(self, prefix: str) -> str:
+        return f"{prefix}_{next(self._counter)}"
+
+
+@dataclass(frozen=True, slots=True)
+class VadDefaults:
+    """The server's own values, shown where a `server_vad` leaves a field out."""
+
+    threshold: float
+    prefix_padding_ms: int
+    silence_duration_ms: int
+
+
+def turn_detection_object(td: rt.TurnDetection | None, defaults: VadDefaults) -> dict[str, Any] | None:
+    if td is None:
+        return None
+    if td.type == "semantic_vad":
+        return {
+            "type": "semantic_vad",
+            "eagerness": td.eagerness,
+            "create_response": td.create_response,
+            "interrupt_response": td.interrupt_response,
+        }
+    return {
+        "type": "server_vad",
+        "threshold": defaults.threshold if td.threshold is None else td.threshold,
+        "prefix_padding_ms": defaults.prefix_padding_ms if td.prefix_padding_ms is None else td.prefix_padding_ms,
+        "silence_duration_ms": defaults.silence_duration_ms
+        if td.silence_duration_ms is None
+        else td.silence_duration_ms,
+        "idle_timeout_ms": td.idle_timeout_ms,
+        "create_response": td.create_response,
+        "interrupt_response": td.interrupt_response,
+    }
+
+
+def session_object(session_id: str, s: rt.SessionSettings, defaults: VadDefaults) -> dict[str, Any]:
+    """The session as it is in effect (`session.created`, `session.updated`)."""
+    return {
+        "type": "realtime",
+        "object": "realtime.session",
+        "id": session_id,
+        "model": rt.MODEL_NAME,
+        "output_modalities": list(s.output_modalities),
+        "instructions": s.instructions,
+        "tools": [],
+        "tool_choice": s.tool_choice,
+        "max_output_tokens": "inf" if s.max_output_tokens is None else s.max_output_tokens,
+        "tracing": None,
+        "truncation": "auto",
+        "audio": {
+            "input": {
+                "format": rt.AUDIO_FORMAT,
+                "transcription": {"model": "whisper-tiny.en"},
+                "noise_reduction": None,
+                "turn_detection": turn_detection_object(s.turn_detection, defaults),
+            },
+            "output": {"format": rt.AUDIO_FORMAT, "voice": s.voice, "speed": 1.0},
+        },
+    }
+
+
+def error_event(ids: Ids, exc: rt.RealtimeError, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {
+        "type": "error",
+        "event_id": ids.new("event"),
+        "error": {
+            "type": kind,
+            "code": exc.code,
+            "message": exc.message,
+            "param": exc.param,
+            "event_id": exc.event_id,
+        },
+    }
+
+
+def encode_audio(pcm: bytes) -> str:
+    return base64.b64encode(pcm).decode()
+
+
+# -- the conversation ------------------------------------------------------------------------------------
+
+
 class RealtimeOut:
-    def __init__(self, ids: rt.Ids, items: Items, settings: rt.SessionSettings, conversation_id: str) -> None:
+    def __init__(self, ids: Ids, items: Items, settings: rt.SessionSettings, conversation_id: str) -> None:
         self.ids, self.items, self.settings = ids, items, settings
         self.conversation_id = conversation_id
         self.user_item: str | None = None  # the user item being spoken (audio), until its turn ends
@@ -153,7 +248,7 @@ class RealtimeOut:
         if r is None or r.text_only:
             return []
         r.audio_ms += 1000 * len(pcm) / 2 / OUTPUT_SAMPLE_RATE
-        return [self.event("response.output_audio.delta", **part_ids(r), delta=rt.encode_audio(pcm))]
+        return [self.event("response.output_audio.delta", **part_ids(r), delta=encode_audio(pcm))]
 
     def response_done(self, reply: int, text: str, status: str, reason: str | None) -> Events:
         """The response of `reply` ended: `completed`, `incomplete` (`max_output_tokens`) or `cancelled`

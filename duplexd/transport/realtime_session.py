@@ -1,17 +1,9 @@
 """`/v1/realtime`: an OpenAI Realtime session on the same session core as `/v1/stream`.
 
 The connection is a `Connection` (the same `Session`, `Conversation`, workers, pacing, admission and
-limits) that reads OpenAI client events and writes OpenAI server events instead of the native ones:
-
-    input_audio_buffer.append     -> 24 kHz PCM16 frames into the Session (VAD, streaming ASR)
-    VAD speech start / stop       -> input_audio_buffer.speech_started / speech_stopped
-    committed words (LocalAgreement) -> conversation.item.input_audio_transcription.delta
-    end of turn (endpointer, or commit) -> input_audio_buffer.committed, conversation.item.added,
-                                        ...transcription.completed, conversation.item.done
-    reply                         -> response.created, response.output_item.added, conversation.item.added,
-                                     response.content_part.added, ...output_audio_transcript.delta (or
-                                     output_text.delta), response.output_audio.delta, ... .done,
-                                     response.done (completed, or cancelled on barge-in / response.cancel)
+limits) that reads OpenAI client events (`transport.realtime`) and writes OpenAI server events
+(`transport.realtime_out`) instead of the native ones; `input_audio_buffer.append` feeds 24 kHz PCM16 frames
+into the Session (VAD, streaming ASR). Out-of-band responses are `transport.realtime_oob`'s.
 
 Audio goes out paced as on the native path (at most `audio_lead_ms` ahead of real-time playback: a Realtime
 client sends no playback reports); `conversation.item.truncate` tells the server where playback stopped, for
@@ -32,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from duplexd import commands as cmd
 from duplexd.errors import ErrorCode, Overloaded
 from duplexd.events import (
     ErrorRaised,
@@ -51,7 +42,16 @@ from duplexd.transport import protocol
 from duplexd.transport import realtime as rt
 from duplexd.transport.connection import CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, Connection, _Closing
 from duplexd.transport.realtime_items import Items, heard_part, render, words
-from duplexd.transport.realtime_out import Pending, RealtimeOut, Response, content, part, part_ids
+from duplexd.transport.realtime_oob import OutOfBand
+from duplexd.transport.realtime_out import (
+    Ids,
+    Pending,
+    RealtimeOut,
+    Response,
+    VadDefaults,
+    error_event,
+    session_object,
+)
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,6 @@ COMMIT_SILENCE_S = 0.7  # `input_audio_buffer.commit`: silence appended so the r
 RACES = frozenset(
     {"response_cancel_not_active", "conversation_already_has_active_response", "input_audio_buffer_commit_empty"}
 )
-MAX_OUT_OF_BAND = 4  # out-of-band responses in progress at once (each holds a dialog session)
 # semantic_vad `eagerness`: factors on the server's end-of-turn silences (min: a complete sentence, max: not)
 EAGERNESS = {"high": (0.5, 0.5), "medium": (1.0, 1.0), "auto": (1.0, 1.0), "low": (1.5, 2.0)}
 
@@ -73,7 +72,7 @@ class RealtimeConnection(Connection):
 
     def __init__(self, server: Any, ws: Any) -> None:
         super().__init__(server, ws)
-        self.ids = rt.Ids("")
+        self.ids = Ids("")
         self.settings = rt.SessionSettings(instructions=server.config.dialog.system_prompt)
         self._commit_pending = False
         self._in_seq = 0
@@ -83,9 +82,9 @@ class RealtimeConnection(Connection):
         # The LLM's context follows the items: appended to in place, rebuilt from them after other edits.
         self._context_prompt = self.settings.instructions  # the instructions the LLM context was built with
         self._stale = False  # the items were edited in a way the context does not show yet
-        self._oob: dict[str, _OutOfBand] = {}  # response id -> out-of-band response in progress
+        self._oob: OutOfBand | None = None  # the responses outside the conversation (a dialog model only)
         t = server.config
-        self._vad_defaults = rt.VadDefaults(t.vad.threshold, round(1000 * t.asr.preroll_s), t.turn.min_silence_ms)
+        self._vad_defaults = VadDefaults(t.vad.threshold, round(1000 * t.asr.preroll_s), t.turn.min_silence_ms)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -104,12 +103,12 @@ class RealtimeConnection(Connection):
 
     def _started_message(self, msg: protocol.SessionStart, dialog: bool) -> dict[str, Any]:
         assert self.session is not None
-        self.ids = self.out.ids = rt.Ids(self.session.id)
+        self.ids = self.out.ids = Ids(self.session.id)
         self.out.conversation_id = f"conv_{self.session.id}"
         return {
             "type": "session.created",
             "event_id": self.ids.new("event"),
-            "session": rt.session_object(self.session.id, self.settings, self._vad_defaults),
+            "session": session_object(self.session.id, self.settings, self._vad_defaults),
         }
 
     def _new_conversation(self) -> cv.Conversation:
@@ -118,10 +117,8 @@ class RealtimeConnection(Connection):
         return conv
 
     def release(self) -> None:
-        for oob in list(self._oob.values()):  # (their dialog sessions: the client is gone)
-            if oob.sid is not None and self.server.dialog is not None:
-                self.server.dialog.close(oob.sid)
-        self._oob.clear()
+        if self._oob is not None:
+            self._oob.close()  # (their dialog sessions: the client is gone)
         super().release()
 
     # -- client events -----------------------------------------------------------------------------------
@@ -148,7 +145,7 @@ class RealtimeConnection(Connection):
             raise _Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
 
     def _rt_error(self, exc: rt.RealtimeError, kind: str = "invalid_request_error") -> None:
-        self.send(rt.error_event(self.ids, exc, kind))
+        self.send(error_event(self.ids, exc, kind))
 
     async def _handle_event(self, event: rt.ClientEvent, event_id: str | None) -> None:
         session, conv = self.session, self.conversation
@@ -182,8 +179,8 @@ class RealtimeConnection(Connection):
                 self._create_item(event, event_id)
             case rt.ResponseCreate():
                 await self._respond(event, event_id)
-            case rt.ResponseCancel(response_id=rid) if rid is not None and rid in self._oob:
-                self._oob[rid].finish("cancelled", "client_cancelled")
+            case rt.ResponseCancel(response_id=rid) if rid is not None and self._oob is not None and rid in self._oob:
+                self._oob.cancel(rid)
             case rt.ResponseCancel(response_id=rid):
                 r = self.out.response
                 if r is None or (rid is not None and rid != r.id):
@@ -273,10 +270,8 @@ class RealtimeConnection(Connection):
         self._dispatch(conv.respond(session.heard_s, max_tokens=max_tokens))
 
     async def _out_of_band(self, event: rt.ResponseCreate, max_tokens: int | None, event_id: str | None) -> None:
-        """`conversation: "none"` or `input` items: a response outside the conversation, on a dialog session
-        of its own (the conversation's items, or the `input` given, as its context). Text only: the voice
-        pipeline belongs to the conversation. It fails as a response (no `error`) when no dialog session is
-        free."""
+        """`conversation: "none"` or `input` items: a response outside the conversation (`realtime_oob`), with
+        the conversation's items, or the `input` given, as its context."""
         server = self.server
         assert server.dialog is not None
         items: list[dict[str, Any]] = self.items.values()
@@ -297,27 +292,9 @@ class RealtimeConnection(Connection):
         instructions = self.settings.instructions if event.instructions is None else event.instructions
         system, turns = render(items, instructions)
         r = Response(self.ids.new("resp"), self.ids.new("item"), 0, ("text",), event.metadata, max_tokens)
-        self._ev("response.created", response=self.out.response_object(r, "in_progress", in_conversation=False))
-        self._ev("rate_limits.updated", rate_limits=self._rate_limits(max_tokens))
-        oob = _OutOfBand(self, r)
-        if len(self._oob) >= MAX_OUT_OF_BAND:
-            oob.fail(f"{MAX_OUT_OF_BAND} out-of-band responses are in progress already.")
-            return
-        try:
-            oob.sid = await server.dialog.open(oob)
-        except Overloaded as exc:
-            oob.fail(f"No dialog session is free for an out-of-band response ({exc}).")
-            return
-        if self.session is None:  # (the connection ended while it waited)
-            server.dialog.close(oob.sid)
-            return
-        self._oob[r.id] = oob
-        open_user = turns.pop()[1] if turns and turns[-1][0] == "user" else ""
-        server.dialog.submit(oob.sid, cmd.ReplaceContext(system, tuple(turns), open_user))
-        server.dialog.submit(oob.sid, cmd.StartReply(1))
-        item = self.out.message(r, "in_progress", [])
-        self._ev("response.output_item.added", response_id=r.id, output_index=0, item=item)
-        self._ev("response.content_part.added", **part_ids(r), part=part(r))
+        if self._oob is None:
+            self._oob = OutOfBand(server.dialog, self.out, self.send)
+        await self._oob.start(r, system, turns, self._rate_limits(max_tokens), alive=lambda: self.session is not None)
 
     def _rebuild(self, instructions: str) -> bool:
         """Give the LLM the context the items now describe, with `instructions` (not during a response)."""
@@ -398,7 +375,7 @@ class RealtimeConnection(Connection):
             {
                 "type": "session.updated",
                 "event_id": self.ids.new("event"),
-                "session": rt.session_object(session.id, self.settings, self._vad_defaults),
+                "session": session_object(session.id, self.settings, self._vad_defaults),
             }
         )
         self._sync_context()
@@ -557,7 +534,8 @@ class RealtimeConnection(Connection):
                 self._send_all(out.turn_ended(text, eos))
             case ReplyStarted(reply=reply):
                 self._send_all(out.response_started(reply, self._rate_limits()))
-                self.text_only = out.response is not None and out.response.text_only
+                if self.voice is not None:
+                    self.voice.text_only = out.response is not None and out.response.text_only
             case ReplyDone(reply=reply, text=text):
                 capped = conv is not None and conv.capped(reply)
                 status, reason = ("incomplete", "max_output_tokens") if capped else ("completed", None)
@@ -596,62 +574,3 @@ class RealtimeConnection(Connection):
             {"name": "requests", "limit": limit, "remaining": max(0, limit - len(server.sessions))},
             {"name": "tokens", "limit": tokens, "remaining": tokens},
         ]
-
-
-class _OutOfBand:
-    """A response outside the conversation (`RealtimeConnection._out_of_band`): the dialog worker's client
-    for its own dialog session, open until the response ends; its text goes out as `output_text` events."""
-
-    def __init__(self, conn: RealtimeConnection, r: Response) -> None:
-        self.conn, self.r = conn, r
-        self.sid: int | None = None
-        self.tokens = 0
-
-    def on_reply(self, reply: int, texts: list[str], done: bool) -> None:  # DialogClient
-        conn, r = self.conn, self.r
-        if r.id not in conn._oob:
-            return
-        self.tokens += len(texts)
-        text = texts[-1] if texts else r.text
-        if text.startswith(r.text) and len(text) > len(r.text):
-            delta, r.text = text[len(r.text) :], text
-            conn._ev("response.output_text.delta", **part_ids(r), delta=delta)
-        if r.max_output_tokens is not None and self.tokens >= r.max_output_tokens and not done:
-            self.finish("incomplete", "max_output_tokens")
-        elif done:
-            self.finish("completed", None)
-
-    def on_p_end(self, p: float, version: int) -> None:  # DialogClient (no user turn here)
-        pass
-
-    def on_draft(self, texts: list[str]) -> None:  # DialogClient (no drafts here)
-        pass
-
-    def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
-        pass
-
-    def finish(self, status: str, reason: str | None) -> None:
-        """The response ends (`completed`, or `incomplete` / `cancelled` before its end): its dialog
-        session is closed, and its last events go out."""
-        conn, r = self.conn, self.r
-        conn._oob.pop(r.id, None)
-        if self.sid is not None and conn.server.dialog is not None:
-            conn.server.dialog.close(self.sid)
-            self.sid = None
-        ids = part_ids(r)
-        conn._ev("response.output_text.done", **ids, text=r.text)
-        conn._ev("response.content_part.done", **ids, part=part(r))
-        item = conn.out.message(r, "completed" if status == "completed" else "incomplete", [content(r)])
-        conn._ev("response.output_item.done", response_id=r.id, output_index=0, item=item)
-        response = conn.out.response_object(r, status, [item], reason=reason, in_conversation=False)
-        conn._ev("response.done", response=response)
-
-    def fail(self, message: str) -> None:
-        """No dialog session for it: the response fails (no `error`: OpenAI accepts the request)."""
-        conn, r = self.conn, self.r
-        response = conn.out.response_object(r, "failed", in_conversation=False)
-        response["status_details"] = {
-            "type": "failed",
-            "error": {"type": "server_error", "code": "out_of_band_unavailable", "message": message},
-        }
-        conn._ev("response.done", response=response)
