@@ -12,14 +12,14 @@ Silence adds no words, so that text is the final text; speech that resumes opens
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from duplexd.asr.engine import Transcription
 from duplexd.asr.streaming import PassRequest, StreamingTranscriber
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES, VAD_SAMPLE_RATE, VadHysteresis, VadStream
-from duplexd.config import ServerConfig
+from duplexd.config import AsrConfig, TransportConfig, TurnConfig, VadConfig
 from duplexd.errors import ErrorCode, ProtocolError
 from duplexd.events import Event, FrameAcked, SpeechStarted, SpeechStopped
 from duplexd.streaming.audio import StreamResampler, pcm16_to_float
@@ -32,8 +32,19 @@ class _Pending:
     audio_ms: float
 
 
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """What a session core reads of the server's configuration (the server builds it once): the VAD and
+    recognizer sections, the turn's pause and the frame-ack interval."""
+
+    vad: VadConfig = field(default_factory=VadConfig)
+    asr: AsrConfig = field(default_factory=AsrConfig)
+    pause_ms: int = TurnConfig().pause_ms
+    ack_interval_ms: int = TransportConfig().ack_interval_ms
+
+
 class Session:
-    def __init__(self, session_id: str, sample_rate: int, config: ServerConfig) -> None:
+    def __init__(self, session_id: str, sample_rate: int, config: SessionConfig) -> None:
         self.id = session_id
         self.sample_rate = sample_rate
         self._config = config
@@ -147,7 +158,7 @@ class Session:
         return events
 
     def _maybe_pause(self) -> None:
-        pause_ms = self._config.turn.pause_ms
+        pause_ms = self._config.pause_ms
         if pause_ms and self._paused_at is None and self._hysteresis.speaking and self.silence_ms >= pause_ms:
             self._paused_at = self.heard_s
             self.transcriber.speech_stopped(self._paused_at, voiced_end_s=self._last_voice_s)
@@ -163,7 +174,7 @@ class Session:
             self.frames += 1
             self._worst_lag_ms = max(self._worst_lag_ms, lag_ms)
             self._since_ack_ms += last.audio_ms
-        if last is None or self._since_ack_ms < self._config.transport.ack_interval_ms:
+        if last is None or self._since_ack_ms < self._config.ack_interval_ms:
             return []
         acked = FrameAcked(last.seq, 1000.0 * (now - last.arrived), self._worst_lag_ms)
         self._since_ack_ms = 0.0
@@ -222,7 +233,7 @@ class Session:
             return False
         if self.transcriber.final_due:
             return True
-        hold_ms = self._config.turn.pause_ms or self._config.vad.speech_pad_ms + 100
+        hold_ms = self._config.pause_ms or self._config.vad.speech_pad_ms + 100
         return not 64 <= self.silence_ms < hold_ms
 
     def pending_since_s(self) -> float:

@@ -14,31 +14,24 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 
-from duplexd import commands as cmd
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
 from duplexd.events import (
     Event,
-    ReplyDelta,
-    ReplyDone,
-    ReplyInterrupted,
     ReplySpeculation,
-    ReplyStarted,
-    TurnEnded,
 )
 from duplexd.streaming import conversation as cv
 from duplexd.streaming.clock import PlaybackClock
 from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
-from duplexd.streaming.timeline import Timeline, TurnTiming
 from duplexd.transport import protocol
 from duplexd.transport.limits import AudioRateLimit
 from duplexd.transport.protocol import ServerType
-from duplexd.transport.resume import EventLog, SentAudio, new_resume_token
+from duplexd.transport.resume import EventLog, SentAudio, hand_over, new_resume_token
 from duplexd.transport.tokens import ReplyTokens
+from duplexd.transport.voice import VoiceLoop
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 if TYPE_CHECKING:
@@ -106,11 +99,10 @@ class Connection:
             OUTPUT_SAMPLE_RATE * t.audio_frame_ms // 1000, OUTPUT_SAMPLE_RATE * t.audio_lead_ms // 1000
         )
         self._audio_wake = asyncio.Event()
-        self.timeline = Timeline()  # the latest turn's latency breakdown, logged once per reply
         self.clock = PlaybackClock(time.monotonic(), reports=self.reports_playback)
         self.tokens = ReplyTokens(t, server.datagram)
         self.sent_audio = SentAudio(int(t.resume_audio_s * OUTPUT_SAMPLE_RATE))
-        self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
+        self.voice: VoiceLoop | None = None  # the conversation at work (a session with dialog)
         self.audio_limit = AudioRateLimit(server.config.security.audio_burst_s)
         self.events = EventLog(t.resume_events)  # (numbered: all but frame.ack)
 
@@ -186,54 +178,24 @@ class Connection:
         if session is None or self._lost_while_detached:
             return await self._refuse_resume("the session has ended")
         now = time.monotonic()
-        audio = round(msg.audio_ms * OUTPUT_SAMPLE_RATE / 1000)
-        if msg.token_seq > self.tokens.last_seq or audio > self.sent_audio.end + 1:
-            return await self._refuse_resume(
-                f"resume position (token {msg.token_seq}, {msg.audio_ms:.0f} ms) is past what was sent "
-                f"(token {self.tokens.last_seq}, {1000 * self.sent_audio.end / OUTPUT_SAMPLE_RATE:.0f} ms)"
-            )
+        queued: list[str | bytes | None] = []
+        while not self._out.empty():
+            queued.append(self._out.get_nowait())
+        plan = hand_over(msg, session.id, self.tokens.sender, self.sent_audio, self.events, queued, now)
+        if isinstance(plan, str):
+            for item in queued:  # (back as they were: the session goes on waiting for a resume)
+                self._out.put_nowait(item)
+            return await self._refuse_resume(plan)
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
-        self.tokens.ack(msg.token_seq, now)
-        unacked = list(self.tokens.sender.buffer.items)
-        frames, missing = self.sent_audio.since(audio)
-        resend = {f.seq: f for f in frames}
-        # What was queued for the old socket, in order: reply text goes again as tokens (above), audio
-        # frames from `sent_audio` (cut where the client's copy ends); frames sent before the drop but
-        # not received go first, since they left before anything still queued.
-        queued: list[str | bytes] = []
-        replay = msg.event_seq is not None
-        if replay:  # every event after the client's last, from the log (queued ones are in it too)
-            queued += self.events.since(msg.event_seq)
-        while not self._out.empty():
-            item = self._out.get_nowait()
-            if isinstance(item, bytes):
-                f = resend.pop(protocol.BINARY_HEADER.unpack_from(item)[1], None)
-                if f is not None:
-                    queued.append(protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT))
-            elif item is not None and not replay and not item.startswith('{"type":"reply.delta"'):
-                queued.append(item)
         self.attached = True
         self._link_closed = asyncio.Event()
         self.server.counters["resumed"] += 1
-        await self.ws.send(
-            protocol.dumps(
-                {
-                    "type": ServerType.SESSION_RESUMED,
-                    "session_id": session.id,
-                    "token_seq": unacked[0].token.seq if unacked else self.tokens.last_seq + 1,
-                    "tokens": [[p.token.reply, p.token.text] for p in unacked],
-                    "tokens_lost": max(0, self.tokens.sender.evicted_through - msg.token_seq),
-                    "audio_ms": round(1000 * (audio + missing) / OUTPUT_SAMPLE_RATE, 3),
-                    "audio_lost_ms": round(1000 * missing / OUTPUT_SAMPLE_RATE, 3),
-                    "events_lost": self.events.lost_since(msg.event_seq) if replay else None,
-                }
-            )
-        )
-        for f in resend.values():  # (in order: a dict keeps insertion order)
-            await self.ws.send(protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT))
-        for item in queued:
+        await self.ws.send(protocol.dumps(plan.resumed))
+        for frame in plan.frames:
+            await self.ws.send(frame)
+        for item in plan.queued:
             self.send(item)
         # The client plays from where its copy ended; until it reports, assume real time from now.
         self.clock.resume(now)
@@ -243,7 +205,7 @@ class Connection:
             session.id,
             msg.token_seq,
             msg.audio_ms,
-            extra={"event": "session.resumed", "session": session.id, "tokens_resent": len(unacked)},
+            extra={"event": "session.resumed", "session": session.id, "tokens_resent": len(plan.resumed["tokens"])},
         )
 
     async def _refuse_resume(self, message: str) -> None:
@@ -281,6 +243,7 @@ class Connection:
                 server.tts.cancel((self.session.id, self.conversation.turns))
             self.session = None
             self.conversation = None
+            self.voice = None
             self.dialog_sid = None
 
     # outbound
@@ -375,123 +338,41 @@ class Connection:
         if self.attached:
             self.send({"type": ServerType.REPLY_DELTA, "reply": reply, "text": text, "token_seq": seq})
 
-    # the conversation
+    # the conversation (`transport.voice`)
 
     def _tick(self) -> None:
-        session, conv = self.session, self.conversation
-        if session is None or conv is None:
-            return
-        self._dispatch(
-            conv.tick(stream_s=session.heard_s, silence_ms=session.silence_ms, asr_settled=session.asr_settled)
-        )
+        if self.voice is not None:
+            self.voice.tick(time.monotonic())
 
     def _dispatch(self, outputs: list[cv.Output]) -> None:
         """Carry out the conversation's commands; send its events."""
-        server, session, conv = self.server, self.session, self.conversation
-        if session is None or conv is None or server.dialog is None or server.tts is None or self.dialog_sid is None:
-            return
-        for out in outputs:
-            self._time(out, session)
-            match out:
-                case cmd.AppendUserText() | cmd.StartReply() | cmd.DraftReply() | cmd.InterruptReply():
-                    server.dialog.submit(self.dialog_sid, out)
-                case cmd.ReplaceContext():
-                    server.dialog.submit(self.dialog_sid, out)
-                case cmd.Synthesize(reply=reply, index=index) if self.text_only:
-                    self._on_tts_audio(reply, index, np.zeros(0, np.float32))  # a text-only reply: no speech
-                case cmd.Synthesize(reply=reply, index=index, text=text):
-                    ahead_s = max(0, self.playout.sent + self.playout.queued - self._played()) / OUTPUT_SAMPLE_RATE
-                    server.tts.submit(
-                        (session.id, reply),
-                        text,
-                        lambda audio, r=reply, i=index: self._on_tts_audio(r, i, audio),
-                        deadline=time.monotonic() + ahead_s + 0.001 * index,
-                    )
-                case cmd.PrefetchSpeech(text=text):
-                    server.tts.prefetch(text)
-                case cmd.PlayAudio(reply=reply, samples=samples):
-                    self.playout.push(reply, samples)  # type: ignore[arg-type]
-                    self._audio_wake.set()
-                case cmd.EndAudio(reply=reply):
-                    self.playout.end(reply)
-                    self._audio_wake.set()
-                case cmd.StopAudio(reply=reply):
-                    self.playout.stop(reply)
-                    server.tts.cancel((session.id, reply))
-                    # The client drops what it had not played and jumps to the end of what it received.
-                    conv.rebase_output(self.playout.sent)
-                    self.clock.rebase(self.playout.sent, time.monotonic())
-                case ReplyDelta(reply=reply, text=text):
-                    self._send_token(reply, text)
-                case _:
-                    self._out_event(out)
-        session.note_reply_audio(conv.starved and self.attached, time.monotonic())
-
-    def _time(self, out: cv.Output, session: Session) -> None:
-        """The turn's timeline: into the latency histograms when its first audio is ready, one log line when
-        its reply ends."""
-        now = time.monotonic()
-        match out:
-            case TurnEnded(turn=turn, text=text, eos_s=eos_s):  # (the audio arrives in real time)
-                self.timeline.turn_ended(turn, text, eos_at=now - max(0.0, session.heard_s - eos_s), now=now)
-            case ReplyStarted(reply=reply):
-                self.timeline.reply_started(reply)
-            case ReplyDelta(reply=reply, text=text):
-                self.timeline.token(reply, text, now)
-            case cmd.PlayAudio(reply=reply):
-                if (timing := self.timeline.audio(reply, now)) is not None:
-                    self.server.metrics.turn(timing)
-            case ReplyDone(reply=reply, text=text):
-                self._log_turn(session, self.timeline.reply_ended(reply, text))
-            case ReplyInterrupted(reply=reply):  # (the log keeps what was generated, not only what was heard)
-                self._log_turn(session, self.timeline.reply_ended(reply))
-
-    @staticmethod
-    def _log_turn(session: Session, timing: TurnTiming | None) -> None:
-        if timing is not None:
-            extra = {"event": "turn.timing", "session": session.id, **timing.fields()}
-            log.info("session %s %s", session.id, timing.summary(), extra=extra)
-
-    def _on_tts_audio(self, reply: int, index: int, audio: np.ndarray) -> None:
-        if self.conversation is not None:
-            self._dispatch(self.conversation.audio_ready(reply, index, audio))
+        if self.voice is not None:
+            self.voice.dispatch(outputs, time.monotonic())
 
     def on_reply(self, reply: int, texts: list[str], done: bool) -> None:  # DialogClient
-        if self.conversation is not None:
-            self._dispatch(self.conversation.reply_text(reply, texts, done))
+        if self.voice is not None:
+            self.voice.reply_text(reply, texts, done, time.monotonic())
 
     def on_p_end(self, p: float, version: int) -> None:  # DialogClient
-        if self.conversation is not None:
-            self.conversation.p_end_of_turn(p, version)
-            self._tick()
+        if self.voice is not None:
+            self.voice.p_end(p, version, time.monotonic())
 
     def on_draft(self, texts: list[str]) -> None:  # DialogClient
-        if self.conversation is not None:
-            self._dispatch(self.conversation.draft_text(texts))
+        if self.voice is not None:
+            self.voice.draft(texts, time.monotonic())
 
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
         self._out_event(ReplySpeculation(reply, drafts, hit, draft_tokens))
 
-    def _played(self) -> int:
-        """Samples of the output stream the client has played by now."""
-        return self.clock.played(self.playout.sent, time.monotonic())
-
     async def _pace_loop(self) -> None:
         frame_s = self.server.config.transport.audio_frame_ms / 1000
         while True:
-            conv = self.conversation
-            if conv is None or not (conv.replying or self.playout.queued):
+            voice = self.voice
+            if voice is None or not voice.pacing:
                 self._audio_wake.clear()
                 await self._audio_wake.wait()
                 continue
-            played = self._played()
-            frames, done = self.playout.take(played)
-            for seq, pcm in frames:
-                self.sent_audio.sent(seq, pcm)
-                self._out_audio(seq, pcm)
-            for reply in done:
-                self._dispatch(conv.audio_sent(reply))
-            self._dispatch(conv.played(played))
+            voice.pace(time.monotonic())
             self._audio_wake.clear()
             try:
                 await asyncio.wait_for(self._audio_wake.wait(), frame_s / 2)
@@ -613,7 +494,7 @@ class Connection:
             )
             raise Overloaded(f"server is full ({len(server.sessions)} sessions)", retry_after_ms=retry)
         dialog = msg.dialog and server.dialog is not None
-        session = Session(uuid.uuid4().hex, msg.sample_rate, server.config)
+        session = Session(uuid.uuid4().hex, msg.sample_rate, server.session_config)
         if dialog:
             assert server.dialog is not None
             server.starting += 1  # (admitted now: handshakes awaiting meanwhile see this one)
@@ -622,6 +503,23 @@ class Connection:
             finally:
                 server.starting -= 1
             self.conversation = self._new_conversation()
+            assert server.tts is not None and self.dialog_sid is not None
+            self.voice = VoiceLoop(
+                session,
+                self.conversation,
+                server.dialog,
+                self.dialog_sid,
+                server.tts,
+                playout=self.playout,
+                clock=self.clock,
+                sent_audio=self.sent_audio,
+                metrics=server.metrics,
+                send_event=self._out_event,
+                send_token=self._send_token,
+                send_audio=self._out_audio,
+                wake=self._audio_wake.set,
+                listening=lambda: self.attached,
+            )
         self.session = session
         server.sessions[session.id] = session
         server.handles[session.id] = self

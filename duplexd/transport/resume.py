@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from duplexd.transport import protocol
+from duplexd.transport.packetizer import Ack, Eloquent
+from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 
 def new_resume_token() -> str:
@@ -124,3 +126,64 @@ class EventLog:
     def lost_since(self, n: int) -> int:
         """Events after `n` that were forgotten before the client could have them again."""
         return max(0, self.forgotten - n)
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """What a resuming connection sends, in order: `resumed` (the `session.resumed` message, with the reply
+    tokens the client has not acknowledged), the audio frames it has not received (`frames`, PCM16 out), then
+    what was queued for the old socket (`queued`)."""
+
+    resumed: dict[str, Any]
+    frames: list[bytes]
+    queued: list[str | bytes]
+
+
+def hand_over(
+    request: protocol.SessionResume,
+    session_id: str,
+    tokens: Eloquent,
+    audio: SentAudio,
+    events: EventLog,
+    queued: list[str | bytes | None],
+    now: float,
+) -> Handover | str:
+    """Continue the session where the client's copy ends (`request`), from what the old connection kept:
+    its tokens (acknowledged through `request.token_seq` here), its sent audio, its event log, and what was
+    `queued` for its socket. A refusal is the reason, as a string."""
+    position = round(request.audio_ms * OUTPUT_SAMPLE_RATE / 1000)
+    if request.token_seq > tokens.last_seq or position > audio.end + 1:
+        return (
+            f"resume position (token {request.token_seq}, {request.audio_ms:.0f} ms) is past what was sent "
+            f"(token {tokens.last_seq}, {1000 * audio.end / OUTPUT_SAMPLE_RATE:.0f} ms)"
+        )
+    tokens.ack(Ack(request.token_seq), now)
+    unacked = list(tokens.buffer.items)
+    frames, missing = audio.since(position)
+    resend = {f.seq: f for f in frames}
+    # What was queued for the old socket, in order: reply text goes again as tokens (above), audio frames
+    # from `audio` (cut where the client's copy ends); frames sent before the drop but not received go
+    # first, since they left before anything still queued.
+    later: list[str | bytes] = []
+    replay = request.event_seq is not None
+    if request.event_seq is not None:  # every event after the client's last, from the log (queued ones too)
+        later += events.since(request.event_seq)
+    for item in queued:
+        if isinstance(item, bytes):
+            f = resend.pop(protocol.BINARY_HEADER.unpack_from(item)[1], None)
+            if f is not None:
+                later.append(protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT))
+        elif item is not None and not replay and not item.startswith('{"type":"reply.delta"'):
+            later.append(item)
+    resumed = {
+        "type": protocol.ServerType.SESSION_RESUMED,
+        "session_id": session_id,
+        "token_seq": unacked[0].token.seq if unacked else tokens.last_seq + 1,
+        "tokens": [[p.token.reply, p.token.text] for p in unacked],
+        "tokens_lost": max(0, tokens.evicted_through - request.token_seq),
+        "audio_ms": round(1000 * (position + missing) / OUTPUT_SAMPLE_RATE, 3),
+        "audio_lost_ms": round(1000 * missing / OUTPUT_SAMPLE_RATE, 3),
+        "events_lost": events.lost_since(request.event_seq) if request.event_seq is not None else None,
+    }
+    out_frames = [protocol.encode_audio_frame(f.seq, f.pcm, protocol.BinaryKind.AUDIO_OUT) for f in resend.values()]
+    return Handover(resumed, out_frames, later)

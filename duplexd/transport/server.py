@@ -29,7 +29,7 @@ from duplexd.scheduler.admission import Aimd, AimdConfig
 from duplexd.scheduler.dialog import DialogWorker, LlmEngine
 from duplexd.scheduler.tts import TtsWorker
 from duplexd.scheduler.workers import AsrScheduler, VadWorker
-from duplexd.streaming.session import Session
+from duplexd.streaming.session import Session, SessionConfig
 from duplexd.transport import protocol
 from duplexd.transport.connection import Connection
 from duplexd.transport.control import LoadControl
@@ -62,6 +62,7 @@ class Server:
         self.config = config
         t = config.transport
         self.limits = Limits(t.min_sample_rate, t.max_sample_rate, t.max_frame_ms, t.max_message_bytes)
+        self.session_config = SessionConfig(config.vad, config.asr, config.turn.pause_ms, t.ack_interval_ms)
         self.vad = VadWorker(engines.vad, max_pending=4 * t.max_sessions)
         self.asr = AsrScheduler(engines.asr)
         self.asr_name = engines.asr.name

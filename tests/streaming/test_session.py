@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from duplexd.asr.engine import Segment, Transcription
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES
-from duplexd.config import AsrConfig, ServerConfig, TransportConfig
+from duplexd.config import AsrConfig, ServerConfig
 from duplexd.errors import ErrorCode, ProtocolError
 from duplexd.events import (
     FrameAcked,
@@ -19,7 +17,7 @@ from duplexd.events import (
     UtteranceFinalized,
     Word,
 )
-from duplexd.streaming.session import Session
+from duplexd.streaming.session import Session, SessionConfig
 
 C = 0.032
 S, Q = 0.9, 0.1
@@ -30,13 +28,8 @@ def ramp(start: int, n: int) -> np.ndarray:
     return ((np.arange(start, start + n) % 20_000) - 10_000).astype("<i2")
 
 
-def config(ack_interval_ms: int = 100, min_new_audio_s: float = 0.2) -> ServerConfig:
-    base = ServerConfig()
-    return dataclasses.replace(
-        base,
-        transport=TransportConfig(ack_interval_ms=ack_interval_ms),
-        asr=AsrConfig(min_new_audio_s=min_new_audio_s),
-    )
+def config(ack_interval_ms: int = 100, min_new_audio_s: float = 0.2) -> SessionConfig:
+    return SessionConfig(asr=AsrConfig(min_new_audio_s=min_new_audio_s), ack_interval_ms=ack_interval_ms)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +45,7 @@ def config(ack_interval_ms: int = 100, min_new_audio_s: float = 0.2) -> ServerCo
 def test_accept_frame_returns_whole_chunks_and_carries_the_rest(
     frame_sizes: list[int], chunk_counts: list[int]
 ) -> None:
-    session = Session("s", 16_000, ServerConfig())
+    session = Session("s", 16_000, SessionConfig())
     sent, chunks = 0, []
     for seq, n in enumerate(frame_sizes):
         out = session.accept_frame(seq, ramp(sent, n).tobytes(), now=0.0)
@@ -66,7 +59,7 @@ def test_accept_frame_returns_whole_chunks_and_carries_the_rest(
 
 
 def test_flush_audio_pads_the_last_chunk_with_silence() -> None:
-    session = Session("s", 16_000, ServerConfig())
+    session = Session("s", 16_000, SessionConfig())
     session.accept_frame(0, ramp(0, 700).tobytes(), now=0.0)  # one chunk out, 188 samples carried
     last = session.flush_audio()
     assert last.shape == (1, VAD_CHUNK_SAMPLES)
@@ -76,7 +69,7 @@ def test_flush_audio_pads_the_last_chunk_with_silence() -> None:
 
 
 def test_48k_frames_are_resampled_to_16k_chunks() -> None:
-    session = Session("s", 48_000, ServerConfig())
+    session = Session("s", 48_000, SessionConfig())
     x = (0.3 * np.sin(2 * np.pi * 300 * np.arange(48_000) / 48_000) * 32767).astype("<i2")
     chunks = [
         session.accept_frame(seq, x[i : i + 960].tobytes(), now=0.0) for seq, i in enumerate(range(0, 48_000, 960))
@@ -98,7 +91,7 @@ def test_48k_frames_are_resampled_to_16k_chunks() -> None:
     ],
 )
 def test_out_of_order_or_duplicate_seq_is_rejected(seqs: list[int], rejected: list[int]) -> None:
-    session = Session("s", 16_000, ServerConfig())
+    session = Session("s", 16_000, SessionConfig())
     accepted, chunks = [], []
     for i, seq in enumerate(seqs):
         pcm = np.full(320, i + 1, "<i2").tobytes()
@@ -117,7 +110,7 @@ def test_out_of_order_or_duplicate_seq_is_rejected(seqs: list[int], rejected: li
 
 
 def test_apply_vad_needs_one_probability_per_chunk() -> None:
-    session = Session("s", 16_000, ServerConfig())
+    session = Session("s", 16_000, SessionConfig())
     chunks = session.accept_frame(0, ramp(0, 1024).tobytes(), now=0.0)
     with pytest.raises(ValueError):
         session.apply_vad(chunks, np.array([0.1]), now=0.0)
@@ -206,7 +199,7 @@ def test_wants_pass_once_enough_speech_is_buffered() -> None:
 
 
 def test_end_of_stream_while_speaking_asks_for_a_final_pass() -> None:
-    session = Session("s", 16_000, ServerConfig())
+    session = Session("s", 16_000, SessionConfig())
     drive(session, 512, [[S]] * 20, [0.0] * 20)
     session.end_of_stream()
     request = session.prepare_pass()
@@ -215,7 +208,7 @@ def test_end_of_stream_while_speaking_asks_for_a_final_pass() -> None:
 
 
 def test_end_of_stream_in_silence_asks_for_nothing() -> None:
-    session = Session("s", 16_000, ServerConfig())
+    session = Session("s", 16_000, SessionConfig())
     drive(session, 512, [[Q]] * 20, [0.0] * 20)
     session.end_of_stream()
     assert not session.wants_pass()
@@ -278,7 +271,7 @@ def drive_more(session: Session, probs: list[float]) -> None:
 
 
 def test_reply_lag_is_the_current_wait_for_owed_audio_and_underrun_sums_the_waits() -> None:
-    session = Session("s", 16_000, ServerConfig())
+    session = Session("s", 16_000, SessionConfig())
     assert session.reply_lag_s(10.0) == 0.0
     session.note_reply_audio(True, 10.0)
     session.note_reply_audio(True, 10.2)  # still waiting: the wait is counted from when it began

@@ -25,7 +25,7 @@ async def test_a_spoken_turn_is_logged_once_and_counted_in_the_latency_histogram
     clip = clip_by_name["clip14_sb_spk2_snt2.wav"]
     audio = np.concatenate([sc.silence(0.3), sc.load(clip.path), sc.silence(4)])
     pcm = audio.astype("<i2").tobytes()
-    caplog.set_level(logging.INFO, logger="duplexd.transport.connection")
+    caplog.set_level(logging.INFO, logger="duplexd.transport.voice")
     async with connect(srv.url) as ws:
         await ws.send(json.dumps({"type": "session.start", "version": 1, "sample_rate": sc.RATE}))
         events = await speak(ws, pcm, "reply.done", keep_talking=True)

@@ -1,0 +1,179 @@
+"""One session's conversation at work: the half of a connection that is not socket I/O.
+
+The conversation's commands go to the dialog worker, the TTS worker and the playout; its events and reply
+tokens go to the client's codec (the native protocol, or OpenAI Realtime's), through the three callables
+it is given; reply audio leaves as the client plays it (`pace`). Time is passed in, except in the
+callbacks handed to the TTS worker, which read `now` when the audio arrives.
+
+    reply token (dialog worker) -> reply_text -> Conversation -> ReplyDelta -> send_token
+    TTS audio                   -> tts_audio  -> Conversation -> PlayAudio  -> Playout -> pace -> send_audio
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from duplexd import commands as cmd
+from duplexd.events import Event, ReplyDelta, ReplyDone, ReplyInterrupted, ReplyStarted, TurnEnded
+from duplexd.scheduler.dialog import DialogWorker
+from duplexd.scheduler.tts import TtsWorker
+from duplexd.streaming import conversation as cv
+from duplexd.streaming.clock import PlaybackClock
+from duplexd.streaming.playout import Playout
+from duplexd.streaming.session import Session
+from duplexd.streaming.timeline import Timeline, TurnTiming
+from duplexd.transport.metrics import Metrics
+from duplexd.transport.resume import SentAudio
+from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
+
+log = logging.getLogger(__name__)
+
+
+class VoiceLoop:
+    def __init__(
+        self,
+        session: Session,
+        conversation: cv.Conversation,
+        dialog: DialogWorker,
+        dialog_sid: int,
+        tts: TtsWorker,
+        *,
+        playout: Playout,
+        clock: PlaybackClock,
+        sent_audio: SentAudio,
+        metrics: Metrics,
+        send_event: Callable[[Event], None],
+        send_token: Callable[[int, str], None],
+        send_audio: Callable[[int, bytes], None],
+        wake: Callable[[], None],
+        listening: Callable[[], bool],
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`wake`: the pacer has audio to send. `listening`: a client is attached (reply audio it is owed
+        and not given is then a server lag). `now`: the clock of the TTS worker's callbacks."""
+        self.session, self.conversation = session, conversation
+        self.dialog, self.dialog_sid, self.tts = dialog, dialog_sid, tts
+        self.playout, self.clock, self.sent_audio, self.metrics = playout, clock, sent_audio, metrics
+        self._send_event, self._send_token, self._send_audio = send_event, send_token, send_audio
+        self._wake, self._listening, self._now = wake, listening, now
+        self.timeline = Timeline()  # the latest turn's latency breakdown, logged once per reply
+        self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
+
+    def tick(self, now: float) -> None:
+        session = self.session
+        self.dispatch(
+            self.conversation.tick(
+                stream_s=session.heard_s, silence_ms=session.silence_ms, asr_settled=session.asr_settled
+            ),
+            now,
+        )
+
+    def dispatch(self, outputs: list[cv.Output], now: float) -> None:
+        """Carry out the conversation's commands; send its events."""
+        session, conv = self.session, self.conversation
+        for out in outputs:
+            self._time(out, now)
+            match out:
+                case cmd.AppendUserText() | cmd.StartReply() | cmd.DraftReply() | cmd.InterruptReply():
+                    self.dialog.submit(self.dialog_sid, out)
+                case cmd.ReplaceContext():
+                    self.dialog.submit(self.dialog_sid, out)
+                case cmd.Synthesize(reply=reply, index=index) if self.text_only:
+                    self.tts_audio(reply, index, np.zeros(0, np.float32), now)  # a text-only reply: no speech
+                case cmd.Synthesize(reply=reply, index=index, text=text):
+                    ahead = self.playout.sent + self.playout.queued - self.played(now)
+                    self.tts.submit(
+                        (session.id, reply),
+                        text,
+                        lambda audio, r=reply, i=index: self.tts_audio(r, i, audio, self._now()),
+                        deadline=now + max(0, ahead) / OUTPUT_SAMPLE_RATE + 0.001 * index,
+                    )
+                case cmd.PrefetchSpeech(text=text):
+                    self.tts.prefetch(text)
+                case cmd.PlayAudio(reply=reply, samples=samples):
+                    self.playout.push(reply, samples)  # type: ignore[arg-type]
+                    self._wake()
+                case cmd.EndAudio(reply=reply):
+                    self.playout.end(reply)
+                    self._wake()
+                case cmd.StopAudio(reply=reply):
+                    self.playout.stop(reply)
+                    self.tts.cancel((session.id, reply))
+                    # The client drops what it had not played and jumps to the end of what it received.
+                    conv.rebase_output(self.playout.sent)
+                    self.clock.rebase(self.playout.sent, now)
+                case ReplyDelta(reply=reply, text=text):
+                    self._send_token(reply, text)
+                case _:
+                    self._send_event(out)
+        session.note_reply_audio(conv.starved and self._listening(), now)
+
+    def _time(self, out: cv.Output, now: float) -> None:
+        """The turn's timeline: into the latency histograms when its first audio is ready, one log line when
+        its reply ends."""
+        match out:
+            case TurnEnded(turn=turn, text=text, eos_s=eos_s):  # (the audio arrives in real time)
+                self.timeline.turn_ended(turn, text, eos_at=now - max(0.0, self.session.heard_s - eos_s), now=now)
+            case ReplyStarted(reply=reply):
+                self.timeline.reply_started(reply)
+            case ReplyDelta(reply=reply, text=text):
+                self.timeline.token(reply, text, now)
+            case cmd.PlayAudio(reply=reply):
+                if (timing := self.timeline.audio(reply, now)) is not None:
+                    self.metrics.turn(timing)
+            case ReplyDone(reply=reply, text=text):
+                self._log_turn(self.timeline.reply_ended(reply, text))
+            case ReplyInterrupted(reply=reply):  # (the log keeps what was generated, not only what was heard)
+                self._log_turn(self.timeline.reply_ended(reply))
+
+    def _log_turn(self, timing: TurnTiming | None) -> None:
+        if timing is not None:
+            sid = self.session.id
+            log.info(
+                "session %s %s",
+                sid,
+                timing.summary(),
+                extra={"event": "turn.timing", "session": sid, **timing.fields()},
+            )
+
+    # -- what the workers report ----------------------------------------------------------------------------
+
+    def tts_audio(self, reply: int, index: int, audio: np.ndarray, now: float) -> None:
+        self.dispatch(self.conversation.audio_ready(reply, index, audio), now)
+
+    def reply_text(self, reply: int, texts: list[str], done: bool, now: float) -> None:
+        self.dispatch(self.conversation.reply_text(reply, texts, done), now)
+
+    def p_end(self, p: float, version: int, now: float) -> None:
+        self.conversation.p_end_of_turn(p, version)
+        self.tick(now)
+
+    def draft(self, texts: list[str], now: float) -> None:
+        self.dispatch(self.conversation.draft_text(texts), now)
+
+    # -- reply audio, as the client plays it --------------------------------------------------------------
+
+    def played(self, now: float) -> int:
+        """Samples of the output stream the client has played by `now`."""
+        return self.clock.played(self.playout.sent, now)
+
+    @property
+    def pacing(self) -> bool:
+        """A reply is in progress or its audio still waits to go out."""
+        return self.conversation.replying or bool(self.playout.queued)
+
+    def pace(self, now: float) -> None:
+        """Send the reply audio due by `now` (up to the lead ahead of the client's playback)."""
+        conv = self.conversation
+        played = self.played(now)
+        frames, done = self.playout.take(played)
+        for seq, pcm in frames:
+            self.sent_audio.sent(seq, pcm)
+            self._send_audio(seq, pcm)
+        for reply in done:
+            self.dispatch(conv.audio_sent(reply), now)
+        self.dispatch(conv.played(played), now)
