@@ -2,7 +2,8 @@
 
 A reader feeds the session cores (`Session`, `Conversation`); a sender drains a bounded queue; in a
 conversation a pacer sends reply audio as the client plays it, and with the datagram path a timer repeats
-unacknowledged tokens. The native protocol is spoken here; `transport.realtime_session` speaks OpenAI's.
+unacknowledged tokens. Its codec speaks the protocol: `transport.native` (protocol v1) or
+`transport.realtime_session` (OpenAI Realtime).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
@@ -65,19 +67,39 @@ class _Closing(Exception):
         self.reason = reason
 
 
+class Codec(Protocol):
+    """A protocol spoken on a session's socket, over its connection: what a client message does, and how the
+    session core's events, reply tokens, audio and errors are written."""
+
+    numbered: bool  # events are numbered and kept for a resume
+    reports_playback: bool  # the client reports its playback
+
+    async def opening(self) -> None: ...
+    async def on_text(self, data: str) -> bool: ...  # True: the connection's reading is over
+    async def on_binary(self, data: bytes) -> None: ...
+    def started(self, msg: protocol.SessionStart, dialog: bool) -> dict[str, Any]: ...
+    def configure(self, conversation: cv.Conversation) -> None: ...
+    def event(self, event: Event) -> None: ...
+    def token(self, reply: int, text: str) -> None: ...
+    def audio(self, seq: int, pcm: bytes) -> None: ...
+    def error(self, code: ErrorCode, message: str, **extra: Any) -> None: ...
+    def tick(self) -> None: ...
+    def release(self) -> None: ...
+
+
 class Connection:
     """A session's handle and its current WebSocket: a reader that feeds the session cores, a sender that
     drains a bounded queue, (in a conversation) a pacer that sends reply audio as the client plays it, and
-    (with the datagram path) a timer that repeats unacknowledged tokens.
+    (with the datagram path) a timer that repeats unacknowledged tokens. What the messages mean is its
+    codec's: the native protocol (`native.NativeCodec`) or OpenAI Realtime's (`realtime_session.RealtimeCodec`).
 
     The handle outlives a connection that drops: it waits `resume_grace_s` for `session.resume` on a new
     WebSocket (`run(resume=...)`), keeping the reply tokens the client has not acknowledged and the reply
     audio it may not have received; everything else it would have sent waits in the bounded queue."""
 
-    numbered = True  # native events carry `n` and are kept for a resume (Realtime has no resume)
-    reports_playback = True  # the client says what it has played (`playback`); Realtime clients never do
-
-    def __init__(self, server: Server, ws: ServerConnection) -> None:
+    def __init__(self, server: Server, ws: ServerConnection, codec: Callable[[Connection], Codec]) -> None:
+        """`codec`: the protocol spoken on the socket, built for this connection (`native.NativeCodec`, or
+        `realtime_session.RealtimeCodec`)."""
         self.server = server
         self.ws = ws
         self.attached = True
@@ -87,7 +109,7 @@ class Connection:
         self._expiry: asyncio.TimerHandle | None = None
         self._lost_while_detached = False
         self._slow_close: asyncio.Task[None] | None = None  # closing a client that does not read
-        self._link_closed = asyncio.Event()
+        self.link_closed = asyncio.Event()
         self.session: Session | None = None
         self.conversation: cv.Conversation | None = None
         self.dialog_sid: int | None = None
@@ -99,12 +121,13 @@ class Connection:
             OUTPUT_SAMPLE_RATE * t.audio_frame_ms // 1000, OUTPUT_SAMPLE_RATE * t.audio_lead_ms // 1000
         )
         self._audio_wake = asyncio.Event()
-        self.clock = PlaybackClock(time.monotonic(), reports=self.reports_playback)
         self.tokens = ReplyTokens(t, server.datagram)
         self.sent_audio = SentAudio(int(t.resume_audio_s * OUTPUT_SAMPLE_RATE))
         self.voice: VoiceLoop | None = None  # the conversation at work (a session with dialog)
         self.audio_limit = AudioRateLimit(server.config.security.audio_burst_s)
         self.events = EventLog(t.resume_events)  # (numbered: all but frame.ack)
+        self.codec = codec(self)
+        self.clock = PlaybackClock(time.monotonic(), reports=self.codec.reports_playback)
 
     async def run(self, resume: protocol.SessionResume | None = None) -> None:
         try:
@@ -114,7 +137,7 @@ class Connection:
                 sender = tg.create_task(self._send_loop())
                 timers = [tg.create_task(self._pace_loop()), tg.create_task(self.tokens.run())]
                 try:
-                    await self._opening()
+                    await self.codec.opening()
                     await self._read_loop()
                     self.send(None)  # let the sender finish what is queued, then stop
                 except _Closing as closing:
@@ -127,9 +150,6 @@ class Connection:
                         task.cancel()
         except* ConnectionClosed:
             pass
-
-    async def _opening(self) -> None:
-        """Before the first message is read (the native protocol waits for `session.start`)."""
 
     @property
     def busy_replying(self) -> bool:
@@ -146,10 +166,10 @@ class Connection:
     def end_link(self) -> None:
         """The WebSocket is gone: end the session, or keep it for a resume if the link merely dropped."""
         self.attached = False
-        self._link_closed.set()
+        self.link_closed.set()
         if self.session is None:
             return
-        grace = self.server.config.transport.resume_grace_s if self.numbered else 0.0  # (Realtime: no resume)
+        grace = self.server.config.transport.resume_grace_s if self.codec.numbered else 0.0  # (Realtime: no resume)
         close = self.ws.protocol.close_rcvd  # (None: the link failed without a closing handshake)
         dropped = close is None or close.code == CLOSE_WILL_RESUME
         if self.ended or self._overflowed or not dropped or grace <= 0:
@@ -190,7 +210,7 @@ class Connection:
             self._expiry.cancel()
             self._expiry = None
         self.attached = True
-        self._link_closed = asyncio.Event()
+        self.link_closed = asyncio.Event()
         self.server.counters["resumed"] += 1
         await self.ws.send(protocol.dumps(plan.resumed))
         for frame in plan.frames:
@@ -213,6 +233,7 @@ class Connection:
         await self.ws.close(CLOSE_POLICY, ErrorCode.RESUME_REFUSED.value)
 
     def release(self) -> None:
+        self.codec.release()
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
@@ -251,7 +272,7 @@ class Connection:
     def send(self, msg: dict[str, Any] | str | bytes | None) -> None:
         if self._overflowed:
             return
-        if isinstance(msg, dict) and self.numbered and msg.get("type") != ServerType.FRAME_ACK:
+        if isinstance(msg, dict) and self.codec.numbered and msg.get("type") != ServerType.FRAME_ACK:
             # Numbered and kept until acknowledged, so a resume can replay what a dead socket swallowed.
             msg = self.events.add(msg)
         try:
@@ -284,67 +305,26 @@ class Connection:
         transport = self.ws.transport
         return queued + (transport.get_write_buffer_size() if transport is not None else 0)
 
-    # What goes out, in the native protocol (`_RealtimeConnection` speaks OpenAI's instead).
-
-    def _out_event(self, event: Event) -> None:
-        self.send(protocol.encode_event(event))
-
-    def _out_audio(self, seq: int, pcm: bytes) -> None:
-        self.send(protocol.encode_audio_frame(seq, pcm, protocol.BinaryKind.AUDIO_OUT))
-
-    def _out_error(self, code: ErrorCode, message: str, **extra: Any) -> None:
-        self.send(protocol.error_message(code, message, **extra))
-
-    def _started_message(self, msg: protocol.SessionStart, dialog: bool) -> dict[str, Any]:
-        t, server = self.server.config.transport, self.server
-        return {
-            "type": ServerType.SESSION_STARTED,
-            "session_id": self.session.id if self.session else None,
-            "node": t.node or None,
-            "version": protocol.PROTOCOL_VERSION,
-            "sample_rate": msg.sample_rate,
-            "dialog": dialog,
-            "output": {
-                "sample_rate": OUTPUT_SAMPLE_RATE,
-                "format": "pcm16",
-                "frame_ms": t.audio_frame_ms,
-                "lead_ms": t.audio_lead_ms,
-            },
-            "limits": {
-                "max_message_bytes": t.max_message_bytes,
-                "max_frame_ms": t.max_frame_ms,
-                "ack_interval_ms": t.ack_interval_ms,
-            },
-            "models": server.models(),
-            "resume": {"token": self.resume_token, "grace_s": t.resume_grace_s},
-            **self._open_datagram(msg),
-        }
-
     def emit(self, events: list[Event]) -> None:
         """Events of the session core (VAD, ASR): to the client, and into the conversation."""
         for event in events:
-            self._out_event(event)
+            self.codec.event(event)
         if self.conversation is not None:
-            self._dispatch(self.conversation.observe(events))
+            self.dispatch(self.conversation.observe(events))
             self._tick()
 
     async def _send_loop(self) -> None:
         while (msg := await self._out.get()) is not None:
             await self.ws.send(msg)
 
-    def _send_token(self, reply: int, text: str) -> None:
-        """A reply token: kept until acknowledged (`transport.tokens`); over the WebSocket once."""
-        seq = self.tokens.push(reply, text)
-        if self.attached:
-            self.send({"type": ServerType.REPLY_DELTA, "reply": reply, "text": text, "token_seq": seq})
-
     # the conversation (`transport.voice`)
 
     def _tick(self) -> None:
         if self.voice is not None:
             self.voice.tick(time.monotonic())
+        self.codec.tick()
 
-    def _dispatch(self, outputs: list[cv.Output]) -> None:
+    def dispatch(self, outputs: list[cv.Output]) -> None:
         """Carry out the conversation's commands; send its events."""
         if self.voice is not None:
             self.voice.dispatch(outputs, time.monotonic())
@@ -355,14 +335,15 @@ class Connection:
 
     def on_p_end(self, p: float, version: int) -> None:  # DialogClient
         if self.voice is not None:
-            self.voice.p_end(p, version, time.monotonic())
+            self.voice.p_end(p, version, time.monotonic())  # (it ticks the conversation)
+            self.codec.tick()
 
     def on_draft(self, texts: list[str]) -> None:  # DialogClient
         if self.voice is not None:
             self.voice.draft(texts, time.monotonic())
 
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
-        self._out_event(ReplySpeculation(reply, drafts, hit, draft_tokens))
+        self.codec.event(ReplySpeculation(reply, drafts, hit, draft_tokens))
 
     async def _pace_loop(self) -> None:
         frame_s = self.server.config.transport.audio_frame_ms / 1000
@@ -388,95 +369,36 @@ class Connection:
                 message = await asyncio.wait_for(self.ws.recv(), idle_s)
             except TimeoutError:
                 self.ended = True
-                self._out_error(ErrorCode.IDLE_TIMEOUT, f"nothing received for {idle_s:.0f} s")
+                self.codec.error(ErrorCode.IDLE_TIMEOUT, f"nothing received for {idle_s:.0f} s")
                 raise _Closing(CLOSE_POLICY, ErrorCode.IDLE_TIMEOUT.value) from None
             except ConnectionClosedOK:
                 return
             try:
                 if isinstance(message, str):
-                    done = await self._on_text(message)
+                    done = await self.codec.on_text(message)
                     if done:
                         return
                 else:
-                    await self._on_audio(message)
+                    await self.codec.on_binary(message)
             except ProtocolError as exc:
                 self._on_protocol_error(exc)
             except Overloaded as exc:
                 self.ended = True
                 extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
-                self._out_error(ErrorCode.OVERLOADED, str(exc), **extra)
+                self.codec.error(ErrorCode.OVERLOADED, str(exc), **extra)
                 raise _Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
 
     def _on_protocol_error(self, exc: ProtocolError) -> None:
         self.server.counters["protocol_errors"] += 1
         self.errors += 1
-        self._out_error(exc.code, exc.message)
+        self.codec.error(exc.code, exc.message)
         if exc.fatal:
             raise _Closing(_FATAL_CLOSE.get(exc.code, CLOSE_PROTOCOL_ERROR), exc.code.value)
         if self.errors >= self.server.config.transport.max_errors:
-            self._out_error(ErrorCode.TOO_MANY_ERRORS, "too many protocol errors")
+            self.codec.error(ErrorCode.TOO_MANY_ERRORS, "too many protocol errors")
             raise _Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
 
-    async def _on_text(self, data: str) -> bool:
-        msg = protocol.parse_text(data, self.server.limits)
-        if isinstance(msg, protocol.SessionStart | protocol.SessionResume):
-            if self.session is not None:
-                raise ProtocolError(ErrorCode.ALREADY_STARTED, "session already started")
-            if isinstance(msg, protocol.SessionResume):
-                target = self.server.find_resumable(msg)
-                if target.attached:  # its old socket has not failed yet (a half-open TCP connection): drop it
-                    if target.ws.transport is not None:
-                        target.ws.transport.abort()
-                    await asyncio.wait_for(target._link_closed.wait(), 5)
-                self.resume = (target, msg)
-                return True
-            await self._start(msg)
-            return False
-        if self.session is None:
-            raise ProtocolError(ErrorCode.NOT_STARTED, f"{type(msg).__name__} before session.start", fatal=True)
-        match msg:
-            case protocol.Playback(played_ms=played_ms):
-                self._on_playback(played_ms)
-                return False
-            case protocol.TokenAck(token_seq=seq, event_seq=events):
-                if seq is not None and seq > self.tokens.last_seq:
-                    raise ProtocolError(
-                        ErrorCode.BAD_ACK, f"ack.token_seq {seq} is past the last token sent ({self.tokens.last_seq})"
-                    )
-                if events is not None and events > self.events.last:
-                    raise ProtocolError(
-                        ErrorCode.BAD_ACK, f"ack.event_seq {events} is past the last event sent ({self.events.last})"
-                    )
-                if seq is not None:
-                    self.tokens.ack(seq, time.monotonic())
-                if events is not None:
-                    self.events.ack(events)
-                return False
-            case protocol.ReplyCancel():
-                if self.conversation is None or not self.conversation.replying:
-                    raise ProtocolError(ErrorCode.NO_REPLY, "reply.cancel with no reply in progress")
-                self._dispatch(self.conversation.cancel())
-                return False
-        await self._finish()
-        self.ended = True
-        return True
-
-    def _on_playback(self, played_ms: float) -> None:
-        sent_ms = 1000 * self.playout.sent / OUTPUT_SAMPLE_RATE
-        previous_ms = 1000 * (self.clock.reported or 0) / OUTPUT_SAMPLE_RATE
-        if played_ms < 0 or not previous_ms - 1 <= played_ms <= sent_ms + 1:  # 1 ms for the client's rounding
-            raise ProtocolError(
-                ErrorCode.BAD_PLAYBACK,
-                f"playback.played_ms {played_ms:.1f} is outside [{previous_ms:.1f}, {sent_ms:.1f}] "
-                "(it must not go back or pass the audio sent)",
-            )
-        samples = min(self.playout.sent, round(played_ms * OUTPUT_SAMPLE_RATE / 1000))
-        self.clock.report(samples, time.monotonic())
-        self.sent_audio.played(samples)
-        if self.conversation is not None:
-            self._dispatch(self.conversation.played(samples))
-
-    async def _start(self, msg: protocol.SessionStart) -> None:
+    async def start(self, msg: protocol.SessionStart) -> None:
         server = self.server
         if not server.admits():
             server.counters["refused"] += 1
@@ -503,6 +425,7 @@ class Connection:
             finally:
                 server.starting -= 1
             self.conversation = self._new_conversation()
+            self.codec.configure(self.conversation)
             assert server.tts is not None and self.dialog_sid is not None
             self.voice = VoiceLoop(
                 session,
@@ -514,9 +437,9 @@ class Connection:
                 clock=self.clock,
                 sent_audio=self.sent_audio,
                 metrics=server.metrics,
-                send_event=self._out_event,
-                send_token=self._send_token,
-                send_audio=self._out_audio,
+                send_event=self.codec.event,
+                send_token=self.codec.token,
+                send_audio=self.codec.audio,
                 wake=self._audio_wake.set,
                 listening=lambda: self.attached,
             )
@@ -533,7 +456,7 @@ class Connection:
             extra={"event": "session.started", "session": session.id, "sessions": len(server.sessions)},
         )
         server.asr.register(session, self.emit)
-        self.send(self._started_message(msg, dialog))
+        self.send(self.codec.started(msg, dialog))
 
     def _new_conversation(self) -> cv.Conversation:
         spec, config, dialog = self.server.config.speculation, self.server.config, self.server.dialog
@@ -545,40 +468,8 @@ class Connection:
             llm_p_end=dialog is None or dialog.engine.reports_p_end,
         )
 
-    def _open_datagram(self, msg: protocol.SessionStart) -> dict[str, Any]:
-        if not msg.datagram or self.conversation is None:
-            return {"datagram": None}
-        return {"datagram": self.tokens.open_datagram()}
-
-    async def _on_audio(self, data: bytes) -> None:
-        session = self.session
-        if session is None:
-            raise ProtocolError(ErrorCode.NOT_STARTED, "audio before session.start", fatal=True)
-        frame = protocol.parse_binary(data, session.sample_rate, self.server.limits)
-        now = time.monotonic()
-        if not self.audio_limit.allow(len(frame.pcm) / 2 / session.sample_rate, now):
-            raise ProtocolError(
-                ErrorCode.RATE_LIMITED,
-                f"audio is arriving faster than real time ({self.audio_limit.ahead_s(now):.1f} s ahead, "
-                f"{self.audio_limit.burst_s:g} s allowed): frame {frame.seq} dropped",
-            )
-        chunks = session.accept_frame(frame.seq, frame.pcm, now)
-        await self._run_vad(session, chunks)
-
-    async def _run_vad(self, session: Session, chunks: Any) -> None:
+    async def run_vad(self, session: Session, chunks: Any) -> None:
         probs = await self.server.vad.probabilities(session.vad_stream, chunks)
         self.emit(session.apply_vad(chunks, probs, time.monotonic()))
         if session.wants_pass():
             self.server.asr.notify()
-
-    async def _finish(self) -> None:
-        """session.end: decode what was heard, send the last transcripts, then say goodbye."""
-        session = self.session
-        assert session is not None
-        await self._run_vad(session, session.flush_audio())
-        session.end_of_stream()
-        await self.server.asr.drained(session)
-        self.emit(session.finish_without_pass())
-        if self.conversation is not None:
-            self._dispatch(self.conversation.end())
-        self.send({"type": ServerType.SESSION_ENDED, "session_id": session.id})

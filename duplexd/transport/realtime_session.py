@@ -1,9 +1,10 @@
 """`/v1/realtime`: an OpenAI Realtime session on the same session core as `/v1/stream`.
 
-The connection is a `Connection` (the same `Session`, `Conversation`, workers, pacing, admission and
-limits) that reads OpenAI client events (`transport.realtime`) and writes OpenAI server events
-(`transport.realtime_out`) instead of the native ones; `input_audio_buffer.append` feeds 24 kHz PCM16 frames
-into the Session (VAD, streaming ASR). Out-of-band responses are `transport.realtime_oob`'s.
+`RealtimeCodec` is the codec of a `Connection` (the same `Session`, `Conversation`, voice loop, workers,
+pacing, admission and limits as `native.NativeCodec`'s): it reads OpenAI client events
+(`transport.realtime`) and writes OpenAI server events (`transport.realtime_out`) instead of the native
+ones; `input_audio_buffer.append` feeds 24 kHz PCM16 frames into the Session (VAD, streaming ASR).
+Out-of-band responses are `transport.realtime_oob`'s.
 
 Audio goes out paced as on the native path (at most `audio_lead_ms` ahead of real-time playback: a Realtime
 client sends no playback reports); `conversation.item.truncate` tells the server where playback stopped, for
@@ -66,12 +67,13 @@ RACES = frozenset(
 EAGERNESS = {"high": (0.5, 0.5), "medium": (1.0, 1.0), "auto": (1.0, 1.0), "low": (1.5, 2.0)}
 
 
-class RealtimeConnection(Connection):
+class RealtimeCodec:
     numbered = False
     reports_playback = False
 
-    def __init__(self, server: Any, ws: Any) -> None:
-        super().__init__(server, ws)
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        server = conn.server
         self.ids = Ids("")
         self.settings = rt.SessionSettings(instructions=server.config.dialog.system_prompt)
         self._commit_pending = False
@@ -88,45 +90,42 @@ class RealtimeConnection(Connection):
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
-    async def _opening(self) -> None:
+    async def opening(self) -> None:
         try:
-            await self._start(protocol.SessionStart(version=1, sample_rate=rt.AUDIO_RATE, dialog=True))
+            await self.conn.start(protocol.SessionStart(version=1, sample_rate=rt.AUDIO_RATE, dialog=True))
         except Overloaded as exc:
-            self.ended = True
+            self.conn.ended = True
             extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
-            self._out_error(ErrorCode.OVERLOADED, str(exc), **extra)
+            self.error(ErrorCode.OVERLOADED, str(exc), **extra)
             raise _Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
-        if self.conversation is None:
+        if self.conn.conversation is None:
             self._rt_error(rt.RealtimeError("server_error", "This server runs without a dialog model."))
-            self.ended = True
+            self.conn.ended = True
             raise _Closing(CLOSE_POLICY, "no dialog model")
 
-    def _started_message(self, msg: protocol.SessionStart, dialog: bool) -> dict[str, Any]:
-        assert self.session is not None
-        self.ids = self.out.ids = Ids(self.session.id)
-        self.out.conversation_id = f"conv_{self.session.id}"
+    def started(self, msg: protocol.SessionStart, dialog: bool) -> dict[str, Any]:
+        assert self.conn.session is not None
+        self.ids = self.out.ids = Ids(self.conn.session.id)
+        self.out.conversation_id = f"conv_{self.conn.session.id}"
         return {
             "type": "session.created",
             "event_id": self.ids.new("event"),
-            "session": session_object(self.session.id, self.settings, self._vad_defaults),
+            "session": session_object(self.conn.session.id, self.settings, self._vad_defaults),
         }
 
-    def _new_conversation(self) -> cv.Conversation:
-        conv = super()._new_conversation()
-        self._apply_turn_detection(conv, self.settings.turn_detection)
-        return conv
+    def configure(self, conversation: cv.Conversation) -> None:
+        self._apply_turn_detection(conversation, self.settings.turn_detection)
 
     def release(self) -> None:
         if self._oob is not None:
             self._oob.close()  # (their dialog sessions: the client is gone)
-        super().release()
 
     # -- client events -----------------------------------------------------------------------------------
 
-    async def _on_audio(self, data: bytes) -> None:
+    async def on_binary(self, data: bytes) -> None:
         self._client_error(rt.RealtimeError("invalid_event", "Binary messages are not part of this protocol."))
 
-    async def _on_text(self, data: str) -> bool:
+    async def on_text(self, data: str) -> bool:
         try:
             event, event_id = rt.parse(data)
             await self._handle_event(event, event_id)
@@ -138,17 +137,23 @@ class RealtimeConnection(Connection):
         self._rt_error(exc)
         if exc.code in RACES:
             return  # (not a client's fault: it could not know)
-        self.server.counters["protocol_errors"] += 1
-        self.errors += 1
-        if self.errors >= self.server.config.transport.max_errors:
+        self.conn.server.counters["protocol_errors"] += 1
+        self.conn.errors += 1
+        if self.conn.errors >= self.conn.server.config.transport.max_errors:
             self._rt_error(rt.RealtimeError(ErrorCode.TOO_MANY_ERRORS.value, "Too many invalid events."))
             raise _Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
 
+    def error(self, code: ErrorCode, message: str, **extra: Any) -> None:
+        """The connection's own errors (overloaded, shutting down, idle), as a Realtime `error` event."""
+        retry = extra.get("retry_after_ms")
+        text = message if retry is None else f"{message} (retry after {retry} ms)"
+        self._rt_error(rt.RealtimeError(code.value, text), kind="server_error")
+
     def _rt_error(self, exc: rt.RealtimeError, kind: str = "invalid_request_error") -> None:
-        self.send(error_event(self.ids, exc, kind))
+        self.conn.send(error_event(self.ids, exc, kind))
 
     async def _handle_event(self, event: rt.ClientEvent, event_id: str | None) -> None:
-        session, conv = self.session, self.conversation
+        session, conv = self.conn.session, self.conn.conversation
         assert session is not None and conv is not None
         match event:
             case rt.AudioAppend(pcm=pcm):
@@ -173,7 +178,7 @@ class RealtimeConnection(Connection):
             case rt.OutputAudioClear():
                 r = self.out.response
                 if r is not None:
-                    self._dispatch(conv.cancel())
+                    self.conn.dispatch(conv.cancel())
                     self._ev("output_audio_buffer.cleared", response_id=r.id)
             case rt.ItemCreate():
                 self._create_item(event, event_id)
@@ -189,7 +194,7 @@ class RealtimeConnection(Connection):
                         "Cancellation failed: no active response found",
                         event_id=event_id,
                     )
-                self._dispatch(conv.cancel())
+                self.conn.dispatch(conv.cancel())
             case rt.ItemTruncate(item_id=item_id, content_index=index, audio_end_ms=end_ms):
                 self._truncate(item_id, index, end_ms, event_id)
             case rt.ItemRetrieve(item_id=item_id):
@@ -209,7 +214,7 @@ class RealtimeConnection(Connection):
         """A user message at the end joins the LLM's context in place (a whole turn, unless the user is
         speaking: then it joins that turn); any other item, or one inserted earlier, is kept where the client
         put it and the context is rebuilt from the items (between responses)."""
-        session, conv = self.session, self.conversation
+        session, conv = self.conn.session, self.conn.conversation
         assert session is not None and conv is not None
         previous = event.previous_item_id
         if previous is not None and previous != "root" and previous not in self.items:
@@ -238,7 +243,7 @@ class RealtimeConnection(Connection):
         if event.role == "user" and at_end and event.text:
             # A whole turn that waits for response.create, unless the user is speaking (it joins that turn).
             own = session.heard_s if self.out.user_item is None else None
-            self._dispatch(conv.user_text(event.text, own_turn_at=own))
+            self.conn.dispatch(conv.user_text(event.text, own_turn_at=own))
         elif event.role is not None:
             self._stale = True
             self._sync_context()
@@ -246,7 +251,7 @@ class RealtimeConnection(Connection):
             log.info("session %s: %s item kept; not part of the LLM's context", session.id, item.get("type"))
 
     async def _respond(self, event: rt.ResponseCreate, event_id: str | None) -> None:
-        session, conv = self.session, self.conversation
+        session, conv = self.conn.session, self.conn.conversation
         assert session is not None and conv is not None
         if event.ignored:
             log.info("session %s: response.create: not honoured here: %s", session.id, ", ".join(event.ignored))
@@ -267,12 +272,12 @@ class RealtimeConnection(Connection):
         if self._stale or instructions != self._context_prompt:
             self._rebuild(instructions)  # (this response's own instructions: the session's come back after it)
         self.out.next = Pending(event.output_modalities, event.metadata, max_tokens)
-        self._dispatch(conv.respond(session.heard_s, max_tokens=max_tokens))
+        self.conn.dispatch(conv.respond(session.heard_s, max_tokens=max_tokens))
 
     async def _out_of_band(self, event: rt.ResponseCreate, max_tokens: int | None, event_id: str | None) -> None:
         """`conversation: "none"` or `input` items: a response outside the conversation (`realtime_oob`), with
         the conversation's items, or the `input` given, as its context."""
-        server = self.server
+        server = self.conn.server
         assert server.dialog is not None
         items: list[dict[str, Any]] = self.items.values()
         if event.input is not None:
@@ -293,26 +298,28 @@ class RealtimeConnection(Connection):
         system, turns = render(items, instructions)
         r = Response(self.ids.new("resp"), self.ids.new("item"), 0, ("text",), event.metadata, max_tokens)
         if self._oob is None:
-            self._oob = OutOfBand(server.dialog, self.out, self.send)
-        await self._oob.start(r, system, turns, self._rate_limits(max_tokens), alive=lambda: self.session is not None)
+            self._oob = OutOfBand(server.dialog, self.out, self.conn.send)
+        await self._oob.start(
+            r, system, turns, self._rate_limits(max_tokens), alive=lambda: self.conn.session is not None
+        )
 
     def _rebuild(self, instructions: str) -> bool:
         """Give the LLM the context the items now describe, with `instructions` (not during a response)."""
-        conv = self.conversation
+        conv = self.conn.conversation
         assert conv is not None
         system, turns = render(self.items.values(), instructions)
         out = conv.replace_context(system, turns)
         if not out:
             return False
         log.info("session %s: LLM context rebuilt from %d turns", self._sid, len(turns))
-        self._dispatch(out)
+        self.conn.dispatch(out)
         self._stale, self._context_prompt = False, instructions
         return True
 
     def _sync_context(self) -> None:
         """Between responses: rebuild the LLM's context if the items were edited, or if a response's own
         instructions are still in it."""
-        conv = self.conversation
+        conv = self.conn.conversation
         if conv is None or self.out.response is not None:
             return
         if self._stale or self._context_prompt != self.settings.instructions:
@@ -323,30 +330,30 @@ class RealtimeConnection(Connection):
     def _settle_reply(self) -> None:
         """After `response.done` the response is over for a Realtime client, whose playback the server
         does not hear about: count its audio as played, so the conversation takes the next turn."""
-        conv = self.conversation
+        conv = self.conn.conversation
         if conv is not None and conv.replying and self.out.response is None:
-            self.clock.anchor(self.playout.sent, time.monotonic())
-            self._dispatch(conv.played(self.playout.sent))
+            self.conn.clock.anchor(self.conn.playout.sent, time.monotonic())
+            self.conn.dispatch(conv.played(self.conn.playout.sent))
 
     async def _append(self, pcm: bytes, *, limited: bool = True) -> None:
-        session = self.session
+        session = self.conn.session
         assert session is not None
-        step = 2 * rt.AUDIO_RATE * self.server.config.transport.max_frame_ms // 1000
+        step = 2 * rt.AUDIO_RATE * self.conn.server.config.transport.max_frame_ms // 1000
         now = time.monotonic()
-        if limited and not self.audio_limit.allow(len(pcm) / 2 / rt.AUDIO_RATE, now):
+        if limited and not self.conn.audio_limit.allow(len(pcm) / 2 / rt.AUDIO_RATE, now):
             raise rt.RealtimeError(
                 "rate_limited",
-                f"Audio is arriving faster than real time ({self.audio_limit.ahead_s(now):.1f} s ahead, "
-                f"{self.audio_limit.burst_s:g} s allowed); this append was dropped.",
+                f"Audio is arriving faster than real time ({self.conn.audio_limit.ahead_s(now):.1f} s ahead, "
+                f"{self.conn.audio_limit.burst_s:g} s allowed); this append was dropped.",
                 param="audio",
             )
         for at in range(0, len(pcm), step):
             self._in_seq += 1
             chunks = session.accept_frame(self._in_seq, pcm[at : at + step], now)
-            await self._run_vad(session, chunks)
+            await self.conn.run_vad(session, chunks)
 
     async def _update(self, u: rt.SessionUpdate, event_id: str | None) -> None:
-        conv, server, session = self.conversation, self.server, self.session
+        conv, server, session = self.conn.conversation, self.conn.server, self.conn.session
         assert conv is not None and server.dialog is not None and session is not None
         ignored = list(u.ignored)
         if u.instructions is not None:
@@ -371,7 +378,7 @@ class RealtimeConnection(Connection):
                 ", ".join(ignored),
                 extra={"event": "realtime.ignored", "session": session.id, "fields": ignored},
             )
-        self.send(
+        self.conn.send(
             {
                 "type": "session.updated",
                 "event_id": self.ids.new("event"),
@@ -387,7 +394,7 @@ class RealtimeConnection(Connection):
         conv.auto_respond = td is not None and td.create_response  # (a commit waits for response.create)
         conv.barge_in = td is None or td.interrupt_response  # (without VAD the client cancels itself)
         self._idle_since = None
-        base = self.server.config.turn
+        base = self.conn.server.config.turn
         turn = base
         if td is not None and td.type == "semantic_vad":
             low, high = EAGERNESS[td.eagerness]
@@ -400,9 +407,9 @@ class RealtimeConnection(Connection):
                 base, min_silence_ms=td.silence_duration_ms, max_silence_ms=td.silence_duration_ms
             )
         conv.set_turn_config(turn)
-        if self.session is not None:
+        if self.conn.session is not None:
             server_vad = td is not None and td.type == "server_vad"
-            self.session.tune_vad(
+            self.conn.session.tune_vad(
                 threshold=td.threshold if server_vad and td is not None else None,
                 preroll_ms=td.prefix_padding_ms if server_vad and td is not None else None,
             )
@@ -410,7 +417,7 @@ class RealtimeConnection(Connection):
     def _truncate(self, item_id: str, index: int, end_ms: int, event_id: str | None) -> None:
         """The client stopped playing item `item_id` at `end_ms` of its audio: that is what the user heard. The
         response in progress stops there; the last response keeps only that much in the LLM's context."""
-        conv = self.conversation
+        conv = self.conn.conversation
         assert conv is not None
         item, reply = self.items.get(item_id), self.items.reply_of(item_id)
         if item is None or reply is None:
@@ -431,12 +438,12 @@ class RealtimeConnection(Connection):
             )
         heard_samples = round(end_ms * OUTPUT_SAMPLE_RATE / 1000)
         if conv.replying and conv.reply_start_sample is not None:  # (pacing: where the client's playback is)
-            played = min(self.playout.sent, conv.reply_start_sample + heard_samples)
-            self.clock.anchor(played, time.monotonic())
+            played = min(self.conn.playout.sent, conv.reply_start_sample + heard_samples)
+            self.conn.clock.anchor(played, time.monotonic())
         cut = conv.truncate(reply, heard_samples)
         if cut is not None:
             heard, outputs = cut
-            self._dispatch(outputs)
+            self.conn.dispatch(outputs)
             self.items.set_words(item_id, heard)
         else:  # an older response: its words in proportion to the audio heard, and the context rebuilt
             self.items.set_words(item_id, heard_part(words(item), end_ms / audio_ms if audio_ms else 0.0))
@@ -446,7 +453,7 @@ class RealtimeConnection(Connection):
 
     @property
     def _sid(self) -> str:
-        return self.session.id if self.session is not None else "-"
+        return self.conn.session.id if self.conn.session is not None else "-"
 
     def _delete(self, item_id: str, event_id: str | None) -> None:
         """Forget an item; the LLM's context is rebuilt without it (between responses)."""
@@ -463,7 +470,7 @@ class RealtimeConnection(Connection):
         self._sync_context()
 
     def _maybe_commit(self) -> None:
-        session, conv = self.session, self.conversation
+        session, conv = self.conn.session, self.conn.conversation
         if not self._commit_pending or session is None or conv is None:
             return
         if conv.auto_turns and self.out.user_item is None:
@@ -473,10 +480,9 @@ class RealtimeConnection(Connection):
             self._commit_pending = False
             if self.out.user_item is None:
                 self.out.user_item = self.ids.new("item")
-            self._dispatch(conv.commit(session.heard_s))
+            self.conn.dispatch(conv.commit(session.heard_s))
 
-    def _tick(self) -> None:
-        super()._tick()
+    def tick(self) -> None:
         self._maybe_commit()
         self._maybe_idle()
         self._sync_context()
@@ -484,7 +490,7 @@ class RealtimeConnection(Connection):
     def _maybe_idle(self) -> None:
         """server_vad `idle_timeout_ms`: no speech for that long once the last response has played out
         -> `input_audio_buffer.timeout_triggered`, an empty user turn, and a response."""
-        session, conv, td = self.session, self.conversation, self.settings.turn_detection
+        session, conv, td = self.conn.session, self.conn.conversation, self.settings.turn_detection
         if session is None or conv is None or td is None or td.idle_timeout_ms is None or not self.out.responded:
             return
         now = time.monotonic()
@@ -507,19 +513,19 @@ class RealtimeConnection(Connection):
             item_id=self.out.user_item,
         )
         self.out.next = Pending(None, None, self.settings.max_output_tokens)
-        self._dispatch(conv.respond(session.heard_s, max_tokens=self.settings.max_output_tokens))
+        self.conn.dispatch(conv.respond(session.heard_s, max_tokens=self.settings.max_output_tokens))
 
     # -- server events -----------------------------------------------------------------------------------
 
     def _ev(self, kind: str, **fields: Any) -> None:
-        self.send(self.out.event(kind, **fields))
+        self.conn.send(self.out.event(kind, **fields))
 
     def _send_all(self, events: list[dict[str, Any]]) -> None:
         for event in events:
-            self.send(event)
+            self.conn.send(event)
 
-    def _out_event(self, event: Event) -> None:
-        out, conv = self.out, self.conversation
+    def event(self, event: Event) -> None:
+        out, conv = self.out, self.conn.conversation
         replying = conv is not None and conv.replying
         match event:
             case SpeechStarted(t_s=t):
@@ -534,8 +540,8 @@ class RealtimeConnection(Connection):
                 self._send_all(out.turn_ended(text, eos))
             case ReplyStarted(reply=reply):
                 self._send_all(out.response_started(reply, self._rate_limits()))
-                if self.voice is not None:
-                    self.voice.text_only = out.response is not None and out.response.text_only
+                if self.conn.voice is not None:
+                    self.conn.voice.text_only = out.response is not None and out.response.text_only
             case ReplyDone(reply=reply, text=text):
                 capped = conv is not None and conv.capped(reply)
                 status, reason = ("incomplete", "max_output_tokens") if capped else ("completed", None)
@@ -553,16 +559,16 @@ class RealtimeConnection(Connection):
         if self._stale or self._context_prompt != self.settings.instructions:
             asyncio.get_running_loop().call_soon(self._sync_context)  # (after the conversation's commands)
 
-    def _send_token(self, reply: int, text: str) -> None:
+    def token(self, reply: int, text: str) -> None:
         self._send_all(self.out.token(reply, text))
 
-    def _out_audio(self, seq: int, pcm: bytes) -> None:
+    def audio(self, seq: int, pcm: bytes) -> None:
         self._send_all(self.out.audio(pcm))
 
     def _rate_limits(self, max_output_tokens: int | None = None) -> list[dict[str, Any]]:
         """`rate_limits.updated` as a response starts. duplexd has no quotas: `requests` reports the sessions
         the server admits now and how many are free; `tokens`, the response's output budget."""
-        server = self.server
+        server = self.conn.server
         limit = max(1, round(server.admission.sessions))
         pending = self.out.next
         tokens = (

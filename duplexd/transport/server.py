@@ -2,8 +2,8 @@
 
 The server builds the workers from the loaded models, serves one port (`transport.http` routes the
 requests; `/v1/stream` and `/v1/realtime` are WebSockets) and keeps the sessions' handles: a
-`transport.connection.Connection` per session (`RealtimeConnection` on `/v1/realtime`). Its load loop
-(`transport.control`) feeds the metrics and the admission controller.
+`transport.connection.Connection` per session, with the native codec or (on `/v1/realtime`) the Realtime
+one. Its load loop (`transport.control`) feeds the metrics and the admission controller.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from duplexd.transport.datagram import DatagramEndpoint
 from duplexd.transport.http import REALTIME_PATH, STREAM_PATH, peer_ip, rounded, route
 from duplexd.transport.listener import Listener
 from duplexd.transport.metrics import Metrics
+from duplexd.transport.native import NativeCodec
 from duplexd.transport.protocol import Limits
-from duplexd.transport.realtime_session import RealtimeConnection
+from duplexd.transport.realtime_session import RealtimeCodec
 from duplexd.transport.resume import same_token
 from duplexd.tts.engine import TtsEngine
 
@@ -129,7 +130,7 @@ class Server:
         for conn in list(self.handles.values()):
             if conn.attached:
                 conn.ended = True
-                conn._out_error(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+                conn.codec.error(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
                 await conn.flush(timeout_s=1.0)
 
     @property
@@ -270,10 +271,8 @@ class Server:
 
     async def _serve_connection(self, ws: ServerConnection) -> None:
         self.counters["connections"] += 1
-        if ws.request is not None and ws.request.path.split("?", 1)[0] == REALTIME_PATH:
-            conn: Connection = RealtimeConnection(self, ws)
-        else:
-            conn = Connection(self, ws)
+        realtime = ws.request is not None and ws.request.path.split("?", 1)[0] == REALTIME_PATH
+        conn = Connection(self, ws, RealtimeCodec if realtime else NativeCodec)
         try:
             await conn.run()
         finally:
