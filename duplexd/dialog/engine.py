@@ -277,14 +277,15 @@ class DialogEngine:
             reply_cap=max_reply_tokens or self.config.max_reply_tokens,
             sentence_cap=self.config.max_reply_sentences if max_reply_sentences is None else max_reply_sentences,
         )
-        system = (
-            self.format.system
-            if system_prompt is None
-            else ChatFormat.from_tokenizer(self.tokenizer, system_prompt).system
-        )
-        self._queue(session, self.tokenizer.encode(system))
+        self._queue(session, self._system_ids(system_prompt))
         self._sessions[session.id] = session
         return session.id
+
+    def _system_ids(self, system_prompt: str | None) -> list[int]:
+        """The system turn's tokens (None: the engine's own prompt)."""
+        if system_prompt is None:
+            return self.tokenizer.encode(self.format.system)
+        return self.tokenizer.encode(ChatFormat.from_tokenizer(self.tokenizer, system_prompt).system)
 
     def close(self, sid: int) -> None:
         session = self._get(sid)
@@ -466,11 +467,9 @@ class DialogEngine:
         session = self._get(sid)
         if session.replying:
             raise EngineError(f"dialog session {sid} is replying: its context cannot be rewritten now")
-        system = (
-            self.format.system
-            if system_prompt is None
-            else ChatFormat.from_tokenizer(self.tokenizer, system_prompt).system
-        )
+        if bad := [role for role, _ in turns if role not in ("user", "assistant")]:
+            raise ValueError(f"a turn's role is 'user' or 'assistant', not {bad[0]!r}")  # (the session untouched)
+        system = self._system_ids(system_prompt)
         session.window = WindowState(self.config.window)
         session.pending.clear()
         session.cuts.clear()
@@ -479,14 +478,12 @@ class DialogEngine:
         session.user_open, session.answering, session.reply = False, (), []
         session.user_words.clear()
         session.p_end_of_turn = None
-        self._queue(session, self.tokenizer.encode(system))
+        self._queue(session, system)
         for role, text in turns:
             if role == "assistant":
                 self.append_assistant_text(sid, text)
-            elif role == "user":
-                self.append_user_text(sid, (" " if session.user_open else "") + text.strip())
             else:
-                raise ValueError(f"a turn's role is 'user' or 'assistant', not {role!r}")
+                self.append_user_text(sid, (" " if session.user_open else "") + text.strip())
         if open_user.strip():
             self.append_user_text(sid, (" " if session.user_open else "") + open_user.strip())
         session.cuts = deque([len(session.pending)])  # one piece: full chunks (no draft shares its history)

@@ -457,10 +457,10 @@ class RemoteDialogEngine:
         c = self._get(sid)
         if c.replying:
             raise EngineError(f"remote dialog session {sid} is replying: its context cannot be rewritten now")
+        if bad := [role for role, _ in turns if role not in ("user", "assistant")]:
+            raise ValueError(f"a turn's role is 'user' or 'assistant', not {bad[0]!r}")
         history: deque[tuple[str, str]] = deque()
         for role, text in turns:
-            if role not in ("user", "assistant"):
-                raise ValueError(f"a turn's role is 'user' or 'assistant', not {role!r}")
             if history and history[-1][0] == role:
                 history[-1] = (role, f"{history[-1][1]} {text}".strip())
             else:
