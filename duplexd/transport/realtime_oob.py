@@ -14,7 +14,7 @@ from typing import Any
 from duplexd import commands as cmd
 from duplexd.errors import Overloaded
 from duplexd.scheduler.dialog import DialogWorker
-from duplexd.transport.realtime_out import RealtimeOut, Response, content, part, part_ids
+from duplexd.transport.realtime_out import RealtimeOut, Response, part, part_ids
 
 MAX_OUT_OF_BAND = 4  # out-of-band responses in progress at once (each holds a dialog session)
 
@@ -113,13 +113,8 @@ class _Reply:
         if self.sid is not None:
             self.owner._dialog.close(self.sid)
             self.sid = None
-        ids = part_ids(r)
-        self._send("response.output_text.done", **ids, text=r.text)
-        self._send("response.content_part.done", **ids, part=part(r))
-        item = out.message(r, "completed" if status == "completed" else "incomplete", [content(r)])
-        self._send("response.output_item.done", response_id=r.id, output_index=0, item=item)
-        response = out.response_object(r, status, [item], reason=reason, in_conversation=False)
-        self._send("response.done", response=response)
+        for event in out.ended(r, status, reason, in_conversation=False):
+            self.owner._send(event)
 
     def fail(self, message: str) -> None:
         """No dialog session for it: the response fails (no `error`: OpenAI accepts the request)."""

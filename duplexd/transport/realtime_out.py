@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,7 +217,9 @@ class RealtimeOut:
 
     # -- the conversation's responses ---------------------------------------------------------------------
 
-    def response_started(self, reply: int, rate_limits: list[dict[str, Any]]) -> Events:
+    def response_started(self, reply: int, rate_limits: Callable[[int | None], list[dict[str, Any]]]) -> Events:
+        """The conversation's reply `reply` starts, with `response.create`'s parameters if it asked for it
+        (`rate_limits`: for the response's token cap)."""
         pending, self.next = self.next, None
         if pending is None:  # (a reply of server VAD)
             pending = Pending(None, None, self.settings.max_output_tokens)
@@ -227,7 +230,7 @@ class RealtimeOut:
         item = self.message(r, "in_progress", [])
         out = [
             self.event("response.created", response=self.response_object(r, "in_progress")),
-            self.event("rate_limits.updated", rate_limits=rate_limits),
+            self.event("rate_limits.updated", rate_limits=rate_limits(r.max_output_tokens)),
             self.event("response.output_item.added", response_id=r.id, output_index=0, item=item),
             self.event("conversation.item.added", previous_item_id=self.items.last, item=item),
             self.event("response.content_part.added", **part_ids(r), part=part(r)),
@@ -258,22 +261,29 @@ class RealtimeOut:
             return []
         self.response = None
         r.text = text
+        self.responded = True
+        return self.ended(r, status, reason, in_conversation=True)
+
+    def ended(self, r: Response, status: str, reason: str | None, *, in_conversation: bool) -> Events:
+        """The closing events of response `r` (its text final); one of the conversation is kept as its
+        assistant item (out-of-band responses are not)."""
         ids = part_ids(r)
         if r.text_only:
-            out = [self.event("response.output_text.done", **ids, text=text)]
+            out = [self.event("response.output_text.done", **ids, text=r.text)]
         else:
             out = [
                 self.event("response.output_audio.done", **ids),
-                self.event("response.output_audio_transcript.done", **ids, transcript=text),
+                self.event("response.output_audio_transcript.done", **ids, transcript=r.text),
             ]
         out.append(self.event("response.content_part.done", **ids, part=part(r)))
         item = self.message(r, "completed" if status == "completed" else "incomplete", [content(r)])
         out.append(self.event("response.output_item.done", response_id=r.id, output_index=0, item=item))
-        out.append(self.event("conversation.item.done", previous_item_id=self.items.last, item=item))
-        self.items.keep(item, reply, r.audio_ms)
-        self.items.last = r.item_id
-        self.responded = True
-        out.append(self.event("response.done", response=self.response_object(r, status, [item], reason=reason)))
+        if in_conversation:
+            out.append(self.event("conversation.item.done", previous_item_id=self.items.last, item=item))
+            self.items.keep(item, r.reply, r.audio_ms)
+            self.items.last = r.item_id
+        response = self.response_object(r, status, [item], reason=reason, in_conversation=in_conversation)
+        out.append(self.event("response.done", response=response))
         return out
 
     # -- the objects in them ------------------------------------------------------------------------------

@@ -225,22 +225,16 @@ class RealtimeCodec:
                 event_id=event_id,
             )
         at_end = previous in (None, self.items.last) or (previous == "root" and not self.items)
-        if event.role == "user" and at_end and event.text:
-            self._settle_reply()
-            if conv.replying:
-                raise rt.RealtimeError(
-                    "conversation_already_has_active_response",
-                    "Conversation already has an active response in progress. Wait until the response is "
-                    "finished before adding items.",
-                    event_id=event_id,
-                )
+        joins_turn = event.role == "user" and bool(event.text) and at_end
+        if joins_turn:
+            self._refuse_while_responding("adding items", event_id)
         item = {**event.item, "id": event.item_id or self.ids.new("item"), "object": "realtime.item"}
         item.setdefault("status", "completed")
         after = self.items.last if previous is None else None if previous == "root" else previous
         for kind in ("conversation.item.added", "conversation.item.done"):
             self._ev(kind, previous_item_id=after, item=item)
         self.items.insert(item, after)
-        if event.role == "user" and at_end and event.text:
+        if joins_turn:
             # A whole turn that waits for response.create, unless the user is speaking (it joins that turn).
             own = session.heard_s if self.out.user_item is None else None
             self.conn.dispatch(conv.user_text(event.text, own_turn_at=own))
@@ -260,19 +254,25 @@ class RealtimeCodec:
         if event.out_of_band:
             await self._out_of_band(event, max_tokens, event_id)
             return
-        self._settle_reply()
-        if conv.replying:
-            raise rt.RealtimeError(
-                "conversation_already_has_active_response",
-                "Conversation already has an active response in progress. Wait until the response is finished "
-                "before creating a new one.",
-                event_id=event_id,
-            )
+        self._refuse_while_responding("creating a new one", event_id)
         instructions = self.settings.instructions if event.instructions is None else event.instructions
         if self._stale or instructions != self._context_prompt:
             self._rebuild(instructions)  # (this response's own instructions: the session's come back after it)
         self.out.next = Pending(event.output_modalities, event.metadata, max_tokens)
         self.conn.dispatch(conv.respond(session.heard_s, max_tokens=max_tokens))
+
+    def _refuse_while_responding(self, doing: str, event_id: str | None) -> None:
+        """OpenAI's error for a response or a user item while a response is in progress (one that has had
+        its `response.done` is over for the client)."""
+        self._settle_reply()
+        conv = self.conn.conversation
+        if conv is not None and conv.replying:
+            raise rt.RealtimeError(
+                "conversation_already_has_active_response",
+                "Conversation already has an active response in progress. Wait until the response is finished "
+                f"before {doing}.",
+                event_id=event_id,
+            )
 
     async def _out_of_band(self, event: rt.ResponseCreate, max_tokens: int | None, event_id: str | None) -> None:
         """`conversation: "none"` or `input` items: a response outside the conversation (`realtime_oob`), with
@@ -303,18 +303,21 @@ class RealtimeCodec:
             r, system, turns, self._rate_limits(max_tokens), alive=lambda: self.conn.session is not None
         )
 
-    def _rebuild(self, instructions: str) -> bool:
+    def _rebuild(self, instructions: str) -> None:
         """Give the LLM the context the items now describe, with `instructions` (not during a response)."""
         conv = self.conn.conversation
         assert conv is not None
         system, turns = render(self.items.values(), instructions)
         out = conv.replace_context(system, turns)
-        if not out:
-            return False
-        log.info("session %s: LLM context rebuilt from %d turns", self._sid, len(turns))
-        self.conn.dispatch(out)
-        self._stale, self._context_prompt = False, instructions
-        return True
+        if out:
+            log.info("session %s: LLM context rebuilt from %d turns", self._sid, len(turns))
+            self.conn.dispatch(out)
+            self._stale, self._context_prompt = False, instructions
+
+    @property
+    def _context_outdated(self) -> bool:
+        """The items were edited, or a response's own instructions are still in the LLM's context."""
+        return self._stale or self._context_prompt != self.settings.instructions
 
     def _sync_context(self) -> None:
         """Between responses: rebuild the LLM's context if the items were edited, or if a response's own
@@ -322,7 +325,7 @@ class RealtimeCodec:
         conv = self.conn.conversation
         if conv is None or self.out.response is not None:
             return
-        if self._stale or self._context_prompt != self.settings.instructions:
+        if self._context_outdated:
             self._settle_reply()  # (the response is over for the client: its audio no longer counts as a reply)
             if not conv.replying:
                 self._rebuild(self.settings.instructions)
@@ -539,7 +542,7 @@ class RealtimeCodec:
             case TurnEnded(text=text, eos_s=eos):
                 self._send_all(out.turn_ended(text, eos))
             case ReplyStarted(reply=reply):
-                self._send_all(out.response_started(reply, self._rate_limits()))
+                self._send_all(out.response_started(reply, self._rate_limits))
                 if self.conn.voice is not None:
                     self.conn.voice.text_only = out.response is not None and out.response.text_only
             case ReplyDone(reply=reply, text=text):
@@ -556,7 +559,7 @@ class RealtimeCodec:
 
     def _response_done(self, reply: int, text: str, status: str, reason: str | None) -> None:
         self._send_all(self.out.response_done(reply, text, status, reason))
-        if self._stale or self._context_prompt != self.settings.instructions:
+        if self._context_outdated:
             asyncio.get_running_loop().call_soon(self._sync_context)  # (after the conversation's commands)
 
     def token(self, reply: int, text: str) -> None:
@@ -565,17 +568,13 @@ class RealtimeCodec:
     def audio(self, seq: int, pcm: bytes) -> None:
         self._send_all(self.out.audio(pcm))
 
-    def _rate_limits(self, max_output_tokens: int | None = None) -> list[dict[str, Any]]:
-        """`rate_limits.updated` as a response starts. duplexd has no quotas: `requests` reports the sessions
-        the server admits now and how many are free; `tokens`, the response's output budget."""
+    def _rate_limits(self, max_output_tokens: int | None) -> list[dict[str, Any]]:
+        """`rate_limits.updated` as a response with this token cap (None: "inf") starts. duplexd has no
+        quotas: `requests` reports the sessions the server admits now and how many are free; `tokens`, the
+        response's output budget."""
         server = self.conn.server
         limit = max(1, round(server.admission.sessions))
-        pending = self.out.next
-        tokens = (
-            max_output_tokens
-            or (pending.max_output_tokens if pending is not None else self.settings.max_output_tokens)
-            or server.config.dialog.max_reply_tokens
-        )
+        tokens = max_output_tokens or server.config.dialog.max_reply_tokens
         return [
             {"name": "requests", "limit": limit, "remaining": max(0, limit - len(server.sessions))},
             {"name": "tokens", "limit": tokens, "remaining": tokens},
