@@ -31,7 +31,7 @@ from duplexd.streaming.session import Session
 from duplexd.transport import protocol
 from duplexd.transport.limits import AudioRateLimit
 from duplexd.transport.protocol import ServerType
-from duplexd.transport.resume import EventLog, SentAudio, hand_over, new_resume_token
+from duplexd.transport.resume import EventLog, SentAudio, hand_over, new_resume_token, refusal
 from duplexd.transport.tokens import ReplyTokens
 from duplexd.transport.voice import VoiceLoop
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
@@ -197,15 +197,13 @@ class Connection:
         session = self.session
         if session is None or self._lost_while_detached:
             return await self._refuse_resume("the session has ended")
+        if (why := refusal(msg, self.tokens.sender, self.sent_audio)) is not None:
+            return await self._refuse_resume(why)
         now = time.monotonic()
         queued: list[str | bytes | None] = []
         while not self._out.empty():
             queued.append(self._out.get_nowait())
         plan = hand_over(msg, session.id, self.tokens.sender, self.sent_audio, self.events, queued, now)
-        if isinstance(plan, str):
-            for item in queued:  # (back as they were: the session goes on waiting for a resume)
-                self._out.put_nowait(item)
-            return await self._refuse_resume(plan)
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None

@@ -139,6 +139,18 @@ class Handover:
     queued: list[str | bytes]
 
 
+def refusal(request: protocol.SessionResume, tokens: Eloquent, audio: SentAudio) -> str | None:
+    """Why a resume from `request`'s position cannot be granted (None: it can): the client claims more
+    tokens or audio than were sent."""
+    position = round(request.audio_ms * OUTPUT_SAMPLE_RATE / 1000)
+    if request.token_seq > tokens.last_seq or position > audio.end + 1:
+        return (
+            f"resume position (token {request.token_seq}, {request.audio_ms:.0f} ms) is past what was sent "
+            f"(token {tokens.last_seq}, {1000 * audio.end / OUTPUT_SAMPLE_RATE:.0f} ms)"
+        )
+    return None
+
+
 def hand_over(
     request: protocol.SessionResume,
     session_id: str,
@@ -147,16 +159,11 @@ def hand_over(
     events: EventLog,
     queued: list[str | bytes | None],
     now: float,
-) -> Handover | str:
-    """Continue the session where the client's copy ends (`request`), from what the old connection kept:
-    its tokens (acknowledged through `request.token_seq` here), its sent audio, its event log, and what was
-    `queued` for its socket. A refusal is the reason, as a string."""
+) -> Handover:
+    """Continue the session where the client's copy ends (`request`, which `refusal` accepted), from what
+    the old connection kept: its tokens (acknowledged through `request.token_seq` here), its sent audio, its
+    event log, and what was `queued` for its socket."""
     position = round(request.audio_ms * OUTPUT_SAMPLE_RATE / 1000)
-    if request.token_seq > tokens.last_seq or position > audio.end + 1:
-        return (
-            f"resume position (token {request.token_seq}, {request.audio_ms:.0f} ms) is past what was sent "
-            f"(token {tokens.last_seq}, {1000 * audio.end / OUTPUT_SAMPLE_RATE:.0f} ms)"
-        )
     tokens.ack(Ack(request.token_seq), now)
     unacked = list(tokens.buffer.items)
     frames, missing = audio.since(position)
