@@ -121,6 +121,11 @@ class TransportConfig:
     max_sessions: int = 64
     audio_frame_ms: int = 40  # reply audio out: PCM16 24 kHz frames of this length
     audio_lead_ms: int = 1000  # reply audio is sent at most this far ahead of the client's playback
+    max_queued_audio_s: float = 30.0
+    """Reply audio synthesized and not yet sent, per session, at most (the playout's queue, 1.4 MB of PCM16
+    at 30 s). Once it holds this much, the reply's next TTS piece waits until frames go out (back-pressure:
+    nothing is dropped). 30 s holds a whole reply at the default caps (`dialog.max_reply_tokens` 64: the
+    longest reply of `bench replies`, 59 tokens, is 22 s of speech), so only longer replies ever wait."""
     resume_grace_s: float = 30.0  # a dropped connection's session waits this long for `session.resume` (0: never)
     resume_audio_s: float = 10.0  # reply audio kept for a resume, counted from the client's last playback report
     resume_events: int = 1024  # events kept until the client acknowledges them (`ack.event_seq`), for a resume
@@ -138,6 +143,7 @@ class TransportConfig:
         _require(0 <= self.datagram_port <= 65535, "transport.datagram_port", self.datagram_port, "a UDP port")
         _require(10 <= self.audio_frame_ms <= 200, "transport.audio_frame_ms", self.audio_frame_ms, "in [10, 200]")
         _require(self.audio_lead_ms >= 100, "transport.audio_lead_ms", self.audio_lead_ms, ">= 100")
+        _require(self.max_queued_audio_s >= 1, "transport.max_queued_audio_s", self.max_queued_audio_s, ">= 1")
         _require(0 <= self.port <= 65535, "transport.port", self.port, "a TCP port")
         _require(
             len(self.node) <= 63 and all(c.isascii() and (c.isalnum() or c in "-_") for c in self.node),

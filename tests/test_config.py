@@ -41,6 +41,7 @@ INVALID = [
     (TransportConfig, {"outbound_queue": 7}, "transport.outbound_queue"),
     (TransportConfig, {"max_errors": 0}, "transport.max_errors"),
     (TransportConfig, {"max_sessions": 0}, "transport.max_sessions"),
+    (TransportConfig, {"max_queued_audio_s": 0.5}, "transport.max_queued_audio_s"),
 ]
 
 

@@ -7,17 +7,28 @@ callbacks handed to the TTS worker, which read `now` when the audio arrives.
 
     reply token (dialog worker) -> reply_text -> Conversation -> ReplyDelta -> send_token
     TTS audio                   -> tts_audio  -> Conversation -> PlayAudio  -> Playout -> pace -> send_audio
+
+Back-pressure: a reply's TTS pieces go to the TTS worker one at a time, each once the audio of the one before
+it has come back, and only while the playout is not `full` (`transport.max_queued_audio_s`); the rest wait
+here and go as `pace` sends frames. The playout's queue grows only by the audio of the one piece out, so it
+never has to refuse a push. One at a time costs nothing: the worker serves the earliest deadline first, a
+reply's later pieces have later deadlines, and a piece keeps the deadline it had when the conversation made
+it, so the worker would not have taken it before the audio of the piece ahead of it was delivered (a piece
+that waited for room gets the later deadline of the audio queued when it goes).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from duplexd import commands as cmd
+from duplexd.errors import Overloaded
 from duplexd.events import Event, ReplyDelta, ReplyDone, ReplyInterrupted, ReplyStarted, TurnEnded
 from duplexd.scheduler.dialog import DialogWorker
 from duplexd.scheduler.tts import TtsWorker
@@ -31,6 +42,16 @@ from duplexd.transport.resume import SentAudio
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """A reply's TTS piece not yet handed to the TTS worker."""
+
+    reply: int
+    index: int
+    text: str
+    deadline: float  # as computed when the conversation made the piece
 
 
 class VoiceLoop:
@@ -62,6 +83,13 @@ class VoiceLoop:
         self._wake, self._listening, self._now = wake, listening, now
         self.timeline = Timeline()  # the latest turn's latency breakdown, logged once per reply
         self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
+        # The current reply's pieces waiting for the TTS worker, in order. Bounded by the reply's length, which
+        # its token cap bounds (`dialog.max_reply_tokens`; a Realtime `max_output_tokens`): a piece holds at
+        # least one word of it.
+        self._pieces: deque[_Piece] = deque()
+        self._synthesizing: tuple[int, int] | None = None  # (reply, piece) out at the TTS worker
+        self._waited_for_room = False  # the waiting pieces were held back by a full playout
+        self._tts_refused = False  # the TTS worker's queue (all sessions) was full at the last submit
 
     def tick(self, now: float) -> None:
         session = self.session
@@ -85,13 +113,8 @@ class VoiceLoop:
                 case cmd.Synthesize(reply=reply, index=index) if self.text_only:
                     self.tts_audio(reply, index, np.zeros(0, np.float32), now)  # a text-only reply: no speech
                 case cmd.Synthesize(reply=reply, index=index, text=text):
-                    ahead = self.playout.sent + self.playout.queued - self.played(now)
-                    self.tts.submit(
-                        (session.id, reply),
-                        text,
-                        lambda audio, r=reply, i=index: self.tts_audio(r, i, audio, self._now()),
-                        deadline=now + max(0, ahead) / OUTPUT_SAMPLE_RATE + 0.001 * index,
-                    )
+                    self._pieces.append(_Piece(reply, index, text, self._deadline(index, now)))
+                    self._synthesize_next(now)
                 case cmd.PrefetchSpeech(text=text):
                     self.tts.prefetch(text)
                 case cmd.PlayAudio(reply=reply, samples=samples):
@@ -102,6 +125,7 @@ class VoiceLoop:
                     self._wake()
                 case cmd.StopAudio(reply=reply):
                     self.playout.stop(reply)
+                    self._forget_pieces(reply)
                     self.tts.cancel((session.id, reply))
                     # The client drops what it had not played and jumps to the end of what it received.
                     conv.rebase_output(self.playout.sent)
@@ -111,6 +135,51 @@ class VoiceLoop:
                 case _:
                     self._send_event(out)
         session.note_reply_audio(conv.starved and self._listening(), now)
+
+    # -- TTS pieces, one at a time and while the playout has room -----------------------------------------
+
+    def _deadline(self, index: int, now: float) -> float:
+        """When the audio queued and sent ahead of the client's playback runs out (the TTS worker's order)."""
+        ahead = self.playout.sent + self.playout.queued - self.played(now)
+        return now + max(0, ahead) / OUTPUT_SAMPLE_RATE + 0.001 * index
+
+    def _synthesize_next(self, now: float) -> None:
+        """Hand the next waiting piece to the TTS worker, if none is out and the playout is not full."""
+        if not self._pieces or self._synthesizing is not None:
+            return
+        if self.playout.full:
+            self._waited_for_room = True  # (`pace` calls again as frames go out)
+            return
+        piece = self._pieces.popleft()
+        deadline = piece.deadline
+        if self._waited_for_room:  # its old deadline has passed: it is due once what is queued now has played
+            deadline = max(deadline, self._deadline(piece.index, now))
+        self._synthesizing = (piece.reply, piece.index)  # (before the submit: a worker may deliver at once)
+        try:
+            self.tts.submit(
+                (self.session.id, piece.reply),
+                piece.text,
+                lambda audio, r=piece.reply, i=piece.index: self.tts_audio(r, i, audio, self._now()),
+                deadline=deadline,
+            )
+        except Overloaded:  # the TTS queue (all sessions) is full: the piece waits, `pace` tries again
+            if not self._tts_refused:
+                log.warning("session %s: TTS queue full, reply %d waits", self.session.id, piece.reply)
+            self._tts_refused = True
+            if self._synthesizing == (piece.reply, piece.index):
+                self._synthesizing = None
+            self._pieces.appendleft(piece)
+            return
+        self._tts_refused = False
+        if not self._pieces:
+            self._waited_for_room = False
+
+    def _forget_pieces(self, reply: int) -> None:
+        self._pieces = deque(p for p in self._pieces if p.reply != reply)
+        if self._synthesizing is not None and self._synthesizing[0] == reply:
+            self._synthesizing = None
+        if not self._pieces:
+            self._waited_for_room = False
 
     def _time(self, out: cv.Output, now: float) -> None:
         """The turn's timeline: into the latency histograms when its first audio is ready, one log line when
@@ -143,7 +212,10 @@ class VoiceLoop:
     # -- what the workers report ----------------------------------------------------------------------------
 
     def tts_audio(self, reply: int, index: int, audio: np.ndarray, now: float) -> None:
+        if self._synthesizing == (reply, index):
+            self._synthesizing = None
         self.dispatch(self.conversation.audio_ready(reply, index, audio), now)
+        self._synthesize_next(now)
 
     def reply_text(self, reply: int, texts: list[str], done: bool, now: float) -> None:
         self.dispatch(self.conversation.reply_text(reply, texts, done), now)
@@ -174,6 +246,7 @@ class VoiceLoop:
         for seq, pcm in frames:
             self.sent_audio.sent(seq, pcm)
             self._send_audio(seq, pcm)
+        self._synthesize_next(now)  # frames went out: the playout may have room again
         for reply in done:
             self.dispatch(conv.audio_sent(reply), now)
         self.dispatch(conv.played(played), now)

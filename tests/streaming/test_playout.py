@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from duplexd.streaming.playout import Playout
+from duplexd.config import TransportConfig
+from duplexd.streaming.playout import Playout, PlayoutFull
 
 
 def test_frames_are_paced_by_the_playback_position() -> None:
@@ -47,3 +49,25 @@ def test_reply_without_audio_is_done_at_once_and_pcm_is_clipped() -> None:
     p.push(4, np.array([2.0, -2.0, 0.5, 0.0], np.float32))
     ((_, pcm),) = p.take(0)[0]
     assert np.frombuffer(pcm, "<i2").tolist() == [32767, -32767, 16383, 0]
+
+
+def test_a_full_playout_refuses_a_push_and_has_room_again_as_frames_go_out() -> None:
+    p = Playout(frame_samples=960, lead_samples=960, max_samples=2000)
+    p.push(1, np.zeros(1500, np.float32))
+    assert not p.full
+    p.push(1, np.zeros(1000, np.float32))  # taken: there was room (a push may end over the bound)
+    assert p.full and p.queued == 2500
+    with pytest.raises(PlayoutFull):
+        p.push(1, np.zeros(10, np.float32))
+    assert p.queued == 2500  # nothing added, nothing dropped
+    p.push(1, np.zeros(0, np.float32))  # (no audio: nothing to refuse)
+    frames, _ = p.take(played=0)
+    assert len(frames) == 1 and p.queued == 1540 and not p.full
+    p.push(1, np.zeros(500, np.float32))
+    p.end(1)
+    frames, done = p.take(played=10**6)
+    assert sum(len(b) // 2 for _, b in frames) == 2040 and done == [1] and p.sent == 3000
+
+
+def test_the_bound_defaults_to_the_transport_setting() -> None:
+    assert Playout(960, 960).max_samples == TransportConfig().max_queued_audio_s * 24_000 == 720_000
