@@ -1,23 +1,25 @@
-"""One session's connection: the handle of its session cores, and its current WebSocket.
+"""One session's connection core: its session cores, and what it owes the client. No socket.
 
-A reader feeds the session cores (`Session`, `Conversation`); a sender drains a bounded queue; in a
-conversation a pacer sends reply audio as the client plays it, and with the datagram path a timer repeats
-unacknowledged tokens. Its codec speaks the protocol: `transport.native` (protocol v1) or
-`transport.realtime_session` (OpenAI Realtime).
+`Connection` is sans-socket, in the style of python-websockets' protocol objects: a shell
+(`transport.shell.WebSocketShell`, the only code that touches the WebSocket) hands it each client message with
+the time it arrived (`receive`), writes what it has to send (`data_to_send`), drives its reply-audio pacing
+(`tick`), and says when the socket is gone (`link_lost`); how the core wants the socket closed is `close`. The
+core never reads or writes a socket. It does await its own workers (the VAD thread, opening a dialog session,
+the recognizer draining at `session.end`), which run off the event loop; the workers' callbacks (`emit`,
+`on_reply`, ...) take the time where they enter.
+
+Its codec speaks the protocol: `transport.native` (protocol v1) or `transport.realtime_session` (OpenAI
+Realtime).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
-
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
 
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
 from duplexd.events import (
@@ -30,6 +32,17 @@ from duplexd.streaming.playout import Playout
 from duplexd.streaming.session import Session
 from duplexd.transport import protocol
 from duplexd.transport.limits import AudioRateLimit
+from duplexd.transport.outbox import (
+    CLOSE_POLICY,
+    CLOSE_PROTOCOL_ERROR,
+    CLOSE_TRY_AGAIN_LATER,
+    CLOSE_UNSUPPORTED_DATA,
+    CLOSE_WILL_RESUME,
+    Close,
+    Closing,
+    Link,
+    Outbox,
+)
 from duplexd.transport.protocol import ServerType
 from duplexd.transport.resume import EventLog, SentAudio, hand_over, new_resume_token, refusal
 from duplexd.transport.tokens import ReplyTokens
@@ -41,16 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# RFC 6455 close codes.
-CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001
-CLOSE_PROTOCOL_ERROR = 1002
-CLOSE_UNSUPPORTED_DATA = 1003
-CLOSE_POLICY = 1008
-CLOSE_INTERNAL = 1011
-CLOSE_TRY_AGAIN_LATER = 1013
-CLOSE_WILL_RESUME = 4000  # a client closing with this code keeps its session for `session.resume`
-
 _FATAL_CLOSE = {
     ErrorCode.UNSUPPORTED_VERSION: CLOSE_PROTOCOL_ERROR,
     ErrorCode.NOT_STARTED: CLOSE_PROTOCOL_ERROR,
@@ -60,13 +63,6 @@ _FATAL_CLOSE = {
 }
 
 
-class _Closing(Exception):
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
-
-
 class Codec(Protocol):
     """A protocol spoken on a session's socket, over its connection: what a client message does, and how the
     session core's events, reply tokens, audio and errors are written."""
@@ -74,109 +70,140 @@ class Codec(Protocol):
     numbered: bool  # events are numbered and kept for a resume
     reports_playback: bool  # the client reports its playback
 
-    async def opening(self) -> None: ...
-    async def on_text(self, data: str) -> bool: ...  # True: the connection's reading is over
-    async def on_binary(self, data: bytes) -> None: ...
+    async def opening(self, now: float) -> None: ...
+    async def on_text(self, data: str, now: float) -> bool: ...  # True: the connection's reading is over
+    async def on_binary(self, data: bytes, now: float) -> None: ...
     def started(self, msg: protocol.SessionStart, dialog: bool) -> dict[str, Any]: ...
     def configure(self, conversation: cv.Conversation) -> None: ...
     def event(self, event: Event) -> None: ...
     def token(self, reply: int, text: str) -> None: ...
     def audio(self, seq: int, pcm: bytes) -> None: ...
     def error(self, code: ErrorCode, message: str, **extra: Any) -> None: ...
-    def tick(self) -> None: ...
+    def tick(self, now: float) -> None: ...
     def release(self) -> None: ...
 
 
 class Connection:
-    """A session's handle and its current WebSocket: a reader that feeds the session cores, a sender that
-    drains a bounded queue, (in a conversation) a pacer that sends reply audio as the client plays it, and
-    (with the datagram path) a timer that repeats unacknowledged tokens. What the messages mean is its
-    codec's: the native protocol (`native.NativeCodec`) or OpenAI Realtime's (`realtime_session.RealtimeCodec`).
+    """A session's handle: its session cores (`Session`, `Conversation`, the voice loop), what it owes the
+    client (the outbox, the event log, reply tokens until acknowledged, the audio a resume may need) and
+    its playback clock. What the messages mean is its codec's: the native protocol (`native.NativeCodec`) or
+    OpenAI Realtime's (`realtime_session.RealtimeCodec`).
 
-    The handle outlives a connection that drops: it waits `resume_grace_s` for `session.resume` on a new
-    WebSocket (`run(resume=...)`), keeping the reply tokens the client has not acknowledged and the reply
-    audio it may not have received; everything else it would have sent waits in the bounded queue."""
+    The handle outlives a socket that drops: it waits `resume_grace_s` for `session.resume` on a new
+    WebSocket (`take_over`), keeping the reply tokens the client has not acknowledged and the reply audio it
+    may not have received; everything else it would have sent waits in the bounded outbox."""
 
-    def __init__(self, server: Server, ws: ServerConnection, codec: Callable[[Connection], Codec]) -> None:
+    def __init__(self, server: Server, codec: Callable[[Connection], Codec], now: float) -> None:
         """`codec`: the protocol spoken on the socket, built for this connection (`native.NativeCodec`, or
         `realtime_session.RealtimeCodec`)."""
         self.server = server
-        self.ws = ws
+        self.link: Link | None = None  # the socket's shell, while attached
         self.attached = True
         self.ended = False  # session.end, a fatal error, or a refusal: nothing to resume
+        self.close: Close | None = None  # set when the core wants its socket closed
+        self.urgent = asyncio.Event()  # set with a `close` that does not wait for the outbox (`flush=False`)
         self.resume: tuple[Connection, protocol.SessionResume] | None = None  # set on a resuming connection
         self.resume_token = new_resume_token()
         self._expiry: asyncio.TimerHandle | None = None
         self._lost_while_detached = False
-        self._slow_close: asyncio.Task[None] | None = None  # closing a client that does not read
         self.link_closed = asyncio.Event()
         self.session: Session | None = None
         self.conversation: cv.Conversation | None = None
         self.dialog_sid: int | None = None
         self.errors = 0
-        self._out: asyncio.Queue[str | bytes | None] = asyncio.Queue(maxsize=server.config.transport.outbound_queue)
-        self._overflowed = False
         t = server.config.transport
+        self.outbox = Outbox(t.outbound_queue)
+        self.finished = False  # nothing more will be queued: the shell writes what is left and stops
+        self._overflowed = False
         self.playout = Playout(
-            OUTPUT_SAMPLE_RATE * t.audio_frame_ms // 1000, OUTPUT_SAMPLE_RATE * t.audio_lead_ms // 1000
+            OUTPUT_SAMPLE_RATE * t.audio_frame_ms // 1000,
+            OUTPUT_SAMPLE_RATE * t.audio_lead_ms // 1000,
+            int(OUTPUT_SAMPLE_RATE * t.max_queued_audio_s),  # (the voice loop holds pieces back: back-pressure)
         )
-        self._audio_wake = asyncio.Event()
+        self._frame_s = t.audio_frame_ms / 1000
+        self.audio_wake = asyncio.Event()  # reply audio to pace: `tick` has work before its next deadline
         self.tokens = ReplyTokens(t, server.datagram)
         self.sent_audio = SentAudio(int(t.resume_audio_s * OUTPUT_SAMPLE_RATE))
         self.voice: VoiceLoop | None = None  # the conversation at work (a session with dialog)
         self.audio_limit = AudioRateLimit(server.config.security.audio_burst_s)
         self.events = EventLog(t.resume_events)  # (numbered: all but frame.ack)
         self.codec = codec(self)
-        self.clock = PlaybackClock(time.monotonic(), reports=self.codec.reports_playback)
+        self.clock = PlaybackClock(now, reports=self.codec.reports_playback)
 
-    async def run(self, resume: protocol.SessionResume | None = None) -> None:
+    # -- what the shell calls -----------------------------------------------------------------------
+
+    async def open(self, now: float) -> None:
+        """A socket is attached, before the first message is read (the Realtime codec starts its session)."""
         try:
-            if resume is not None:
-                await self._resumed(resume)
-            async with asyncio.TaskGroup() as tg:
-                sender = tg.create_task(self._send_loop())
-                timers = [tg.create_task(self._pace_loop()), tg.create_task(self.tokens.run())]
-                try:
-                    await self.codec.opening()
-                    await self._read_loop()
-                    self.send(None)  # let the sender finish what is queued, then stop
-                except _Closing as closing:
-                    self.ended = True
-                    self.send(None)
-                    await sender
-                    await self.ws.close(closing.code, closing.reason)
-                finally:
-                    for task in timers:
-                        task.cancel()
-        except* ConnectionClosed:
-            pass
+            await self.codec.opening(now)
+        except Closing as closing:
+            self._close_after(closing)
 
-    @property
-    def busy_replying(self) -> bool:
-        return self.conversation is not None and self.conversation.replying
+    async def receive(self, message: str | bytes, now: float) -> bool:
+        """A client message, received at `now`. True: reading is over (`session.end`, a resume handed over
+        to another connection, or `close` is set)."""
+        try:
+            try:
+                if isinstance(message, str):
+                    if await self.codec.on_text(message, now):
+                        return True
+                else:
+                    await self.codec.on_binary(message, now)
+            except ProtocolError as exc:
+                self._on_protocol_error(exc)
+            except Overloaded as exc:
+                self.ended = True
+                extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
+                self.codec.error(ErrorCode.OVERLOADED, str(exc), **extra)
+                raise Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
+        except Closing as closing:
+            self._close_after(closing)
+        return self.close is not None
 
-    async def flush(self, timeout_s: float) -> None:
-        """Wait (at most `timeout_s`) until everything queued for the client has been written."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._out.empty():
-                break
-            await asyncio.sleep(0.01)
+    def timed_out(self, idle_s: float) -> None:
+        """Nothing was received for `idle_s` (`security.idle_timeout_s`)."""
+        self.ended = True
+        self.codec.error(ErrorCode.IDLE_TIMEOUT, f"nothing received for {idle_s:.0f} s")
+        self._close_after(Closing(CLOSE_POLICY, ErrorCode.IDLE_TIMEOUT.value))
 
-    def end_link(self) -> None:
-        """The WebSocket is gone: end the session, or keep it for a resume if the link merely dropped."""
+    def data_to_send(self) -> list[str | bytes]:
+        """The messages to write now, in order."""
+        return self.outbox.take()
+
+    def finish(self) -> None:
+        """Reading is over: what is queued is the last to write."""
+        self.finished = True
+        self.outbox.ready.set()
+
+    def tick(self, now: float) -> float | None:
+        """Send the reply audio that is due; the seconds until it next may be (None: until `audio_wake`)."""
+        voice = self.voice
+        if voice is None or not voice.pacing:
+            return None
+        voice.pace(now)
+        return self._frame_s / 2
+
+    def attach(self, link: Link) -> None:
+        self.link = link
+        self.finished = False
+        self.close = None
+        self.urgent.clear()
+
+    def link_lost(self, close_code: int | None, now: float) -> None:
+        """The socket is gone (`close_code`: the code of the client's closing frame, None if there was no
+        closing handshake): end the session, or keep it for a resume if the link merely dropped."""
         self.attached = False
+        self.link = None
         self.link_closed.set()
         if self.session is None:
             return
         grace = self.server.config.transport.resume_grace_s if self.codec.numbered else 0.0  # (Realtime: no resume)
-        close = self.ws.protocol.close_rcvd  # (None: the link failed without a closing handshake)
-        dropped = close is None or close.code == CLOSE_WILL_RESUME
+        dropped = close_code is None or close_code == CLOSE_WILL_RESUME
         if self.ended or self._overflowed or not dropped or grace <= 0:
             self.release()
             return
         self.server.counters["detached"] += 1
-        self.session.note_reply_audio(False, time.monotonic())  # nobody is listening: not a server lag
+        self.session.note_reply_audio(False, now)  # nobody is listening: not a server lag
         self._expiry = asyncio.get_running_loop().call_later(grace, self._expire)
         log.info(
             "session %s detached; resumable for %.0f s",
@@ -185,39 +212,25 @@ class Connection:
             extra={"event": "session.detached", "session": self.session.id, "token_seq": self.tokens.last_seq},
         )
 
-    def _expire(self) -> None:
-        if not self.attached and self.session is not None:
-            self.server.counters["expired"] += 1
-            log.info("session %s was not resumed", self.session.id, extra={"event": "session.expired"})
-            self.release()
-
-    async def _resumed(self, msg: protocol.SessionResume) -> None:
-        """Take over from the previous connection: tokens the client has not acknowledged, the audio it has
-        not received, then what was queued for it meanwhile."""
+    def take_over(self, msg: protocol.SessionResume, now: float) -> None:
+        """`session.resume` on a new socket: first the tokens the client has not acknowledged and the audio it
+        has not received, then what was queued for it meanwhile (or the refusal, and `close`)."""
         session = self.session
         if session is None or self._lost_while_detached:
-            return await self._refuse_resume("the session has ended")
+            return self._refuse_resume("the session has ended")
         if (why := refusal(msg, self.tokens.sender, self.sent_audio)) is not None:
-            return await self._refuse_resume(why)
-        now = time.monotonic()
-        queued: list[str | bytes | None] = []
-        while not self._out.empty():
-            queued.append(self._out.get_nowait())
-        plan = hand_over(msg, session.id, self.tokens.sender, self.sent_audio, self.events, queued, now)
+            return self._refuse_resume(why)
+        plan = hand_over(msg, session.id, self.tokens.sender, self.sent_audio, self.events, self.outbox.take(), now)
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
         self.attached = True
         self.link_closed = asyncio.Event()
         self.server.counters["resumed"] += 1
-        await self.ws.send(protocol.dumps(plan.resumed))
-        for frame in plan.frames:
-            await self.ws.send(frame)
-        for item in plan.queued:
-            self.send(item)
+        self.outbox.replace([protocol.dumps(plan.resumed), *plan.frames, *plan.queued])
         # The client plays from where its copy ended; until it reports, assume real time from now.
         self.clock.resume(now)
-        self._audio_wake.set()
+        self.audio_wake.set()
         log.info(
             "session %s resumed at token %d, %.0f ms of audio",
             session.id,
@@ -226,9 +239,34 @@ class Connection:
             extra={"event": "session.resumed", "session": session.id, "tokens_resent": len(plan.resumed["tokens"])},
         )
 
-    async def _refuse_resume(self, message: str) -> None:
-        await self.ws.send(protocol.dumps(protocol.error_message(ErrorCode.RESUME_REFUSED, message)))
-        await self.ws.close(CLOSE_POLICY, ErrorCode.RESUME_REFUSED.value)
+    def _refuse_resume(self, message: str) -> None:
+        final = protocol.dumps(protocol.error_message(ErrorCode.RESUME_REFUSED, message))
+        self.close = Close(CLOSE_POLICY, ErrorCode.RESUME_REFUSED.value, flush=False, final=(final,))
+        self.urgent.set()
+
+    def _close_after(self, closing: Closing) -> None:
+        """Close once what is queued is written (the error that says why is the last of it)."""
+        self.ended = True
+        self.close = Close(closing.code, closing.reason)
+        self.outbox.ready.set()
+
+    def _expire(self) -> None:
+        if not self.attached and self.session is not None:
+            self.server.counters["expired"] += 1
+            log.info("session %s was not resumed", self.session.id, extra={"event": "session.expired"})
+            self.release()
+
+    @property
+    def busy_replying(self) -> bool:
+        return self.conversation is not None and self.conversation.replying
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until everything queued for the client has been handed to the socket."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.outbox:
+                break
+            await asyncio.sleep(0.01)
 
     def release(self) -> None:
         self.codec.release()
@@ -265,67 +303,55 @@ class Connection:
             self.voice = None
             self.dialog_sid = None
 
-    # outbound
+    # -- outbound -----------------------------------------------------------------------------------
 
-    def send(self, msg: dict[str, Any] | str | bytes | None) -> None:
+    def send(self, msg: dict[str, Any] | str | bytes) -> None:
         if self._overflowed:
             return
         if isinstance(msg, dict) and self.codec.numbered and msg.get("type") != ServerType.FRAME_ACK:
             # Numbered and kept until acknowledged, so a resume can replay what a dead socket swallowed.
             msg = self.events.add(msg)
-        try:
-            self._out.put_nowait(msg if msg is None or isinstance(msg, str | bytes) else protocol.dumps(msg))
-        except asyncio.QueueFull:
-            if not self.attached:  # too much happened while the client was away: it cannot resume losslessly
-                self._lost_while_detached = True
-                self._overflowed = True
-                self._expire()
-                return
-            # The client does not read fast enough; rather than buffer without bound, end the session.
-            self._overflowed = True
-            sid = self.session.id if self.session else None
-            log.warning("closing slow client %s", sid, extra={"event": "session.slow_client", "session": sid})
-            self.server.counters["slow_consumers"] += 1
-            self._slow_close = asyncio.get_running_loop().create_task(self._close_slow())
-
-    async def _close_slow(self) -> None:
-        """Close 1008 `slow_consumer` (the frame queues behind what the client has not read; a client that
-        reads again sees it), and drop the connection if it does not answer within 2 s."""
-        with contextlib.suppress(TimeoutError, ConnectionClosed):
-            await asyncio.wait_for(self.ws.close(CLOSE_POLICY, ErrorCode.SLOW_CONSUMER.value), 2.0)
-        if self.ws.transport is not None:
-            self.ws.transport.abort()
+        if self.outbox.put(msg if isinstance(msg, str | bytes) else protocol.dumps(msg)):
+            return
+        self._overflowed = True
+        if not self.attached:  # too much happened while the client was away: it cannot resume losslessly
+            self._lost_while_detached = True
+            self._expire()
+            return
+        # The client does not read fast enough; rather than buffer without bound, end the session: close 1008
+        # `slow_consumer` at once (it queues behind what the client has not read; a client that reads again
+        # sees it), and drop the socket if the closing handshake does not finish (`SLOW_CLOSE_S`).
+        sid = self.session.id if self.session else None
+        log.warning("closing slow client %s", sid, extra={"event": "session.slow_client", "session": sid})
+        self.server.counters["slow_consumers"] += 1
+        self.close = Close(CLOSE_POLICY, ErrorCode.SLOW_CONSUMER.value, flush=False)
+        self.urgent.set()
 
     @property
     def outbound_bytes(self) -> int:
-        """What waits to be written to this client: the queue, and the socket's user-space buffer."""
-        queued = sum(len(m) for m in list(self._out._queue) if m is not None)  # type: ignore[attr-defined]
-        transport = self.ws.transport
-        return queued + (transport.get_write_buffer_size() if transport is not None else 0)
+        """What waits to be written to this client: the outbox, and the socket's own buffer."""
+        return self.outbox.bytes + (self.link.buffered() if self.link is not None else 0)
 
     def emit(self, events: list[Event]) -> None:
         """Events of the session core (VAD, ASR): to the client, and into the conversation."""
+        now = time.monotonic()  # (the workers' callback: the time is taken here)
         for event in events:
             self.codec.event(event)
         if self.conversation is not None:
-            self.dispatch(self.conversation.observe(events))
-            self._tick()
+            self.dispatch(self.conversation.observe(events), now)
+            self._tick_conversation(now)
 
-    async def _send_loop(self) -> None:
-        while (msg := await self._out.get()) is not None:
-            await self.ws.send(msg)
+    # -- the conversation (`transport.voice`) ---------------------------------------------------------
 
-    # the conversation (`transport.voice`)
-
-    def _tick(self) -> None:
+    def _tick_conversation(self, now: float) -> None:
         if self.voice is not None:
-            self.voice.tick(time.monotonic())
-        self.codec.tick()
+            self.voice.tick(now)
+        self.codec.tick(now)
 
-    def dispatch(self, outputs: list[cv.Output]) -> None:
+    def dispatch(self, outputs: list[cv.Output], now: float) -> None:
         """Carry out the conversation's commands; send its events."""
         if self.voice is not None:
-            self.voice.dispatch(outputs, time.monotonic())
+            self.voice.dispatch(outputs, now)
 
     def on_reply(self, reply: int, texts: list[str], done: bool) -> None:  # DialogClient
         if self.voice is not None:
@@ -333,8 +359,9 @@ class Connection:
 
     def on_p_end(self, p: float, version: int) -> None:  # DialogClient
         if self.voice is not None:
-            self.voice.p_end(p, version, time.monotonic())  # (it ticks the conversation)
-            self.codec.tick()
+            now = time.monotonic()
+            self.voice.p_end(p, version, now)  # (it ticks the conversation)
+            self.codec.tick(now)
 
     def on_draft(self, texts: list[str]) -> None:  # DialogClient
         if self.voice is not None:
@@ -343,58 +370,17 @@ class Connection:
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
         self.codec.event(ReplySpeculation(reply, drafts, hit, draft_tokens))
 
-    async def _pace_loop(self) -> None:
-        frame_s = self.server.config.transport.audio_frame_ms / 1000
-        while True:
-            voice = self.voice
-            if voice is None or not voice.pacing:
-                self._audio_wake.clear()
-                await self._audio_wake.wait()
-                continue
-            voice.pace(time.monotonic())
-            self._audio_wake.clear()
-            try:
-                await asyncio.wait_for(self._audio_wake.wait(), frame_s / 2)
-            except TimeoutError:
-                pass
-
-    # inbound
-
-    async def _read_loop(self) -> None:
-        idle_s = self.server.config.security.idle_timeout_s or None
-        while True:
-            try:
-                message = await asyncio.wait_for(self.ws.recv(), idle_s)
-            except TimeoutError:
-                self.ended = True
-                self.codec.error(ErrorCode.IDLE_TIMEOUT, f"nothing received for {idle_s:.0f} s")
-                raise _Closing(CLOSE_POLICY, ErrorCode.IDLE_TIMEOUT.value) from None
-            except ConnectionClosedOK:
-                return
-            try:
-                if isinstance(message, str):
-                    done = await self.codec.on_text(message)
-                    if done:
-                        return
-                else:
-                    await self.codec.on_binary(message)
-            except ProtocolError as exc:
-                self._on_protocol_error(exc)
-            except Overloaded as exc:
-                self.ended = True
-                extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
-                self.codec.error(ErrorCode.OVERLOADED, str(exc), **extra)
-                raise _Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
+    # -- inbound ------------------------------------------------------------------------------------
 
     def _on_protocol_error(self, exc: ProtocolError) -> None:
         self.server.counters["protocol_errors"] += 1
         self.errors += 1
         self.codec.error(exc.code, exc.message)
         if exc.fatal:
-            raise _Closing(_FATAL_CLOSE.get(exc.code, CLOSE_PROTOCOL_ERROR), exc.code.value)
+            raise Closing(_FATAL_CLOSE.get(exc.code, CLOSE_PROTOCOL_ERROR), exc.code.value)
         if self.errors >= self.server.config.transport.max_errors:
             self.codec.error(ErrorCode.TOO_MANY_ERRORS, "too many protocol errors")
-            raise _Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
+            raise Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
 
     async def start(self, msg: protocol.SessionStart) -> None:
         server = self.server
@@ -438,7 +424,7 @@ class Connection:
                 send_event=self.codec.event,
                 send_token=self.codec.token,
                 send_audio=self.codec.audio,
-                wake=self._audio_wake.set,
+                wake=self.audio_wake.set,
                 listening=lambda: self.attached,
             )
         self.session = session
@@ -468,6 +454,6 @@ class Connection:
 
     async def run_vad(self, session: Session, chunks: Any) -> None:
         probs = await self.server.vad.probabilities(session.vad_stream, chunks)
-        self.emit(session.apply_vad(chunks, probs, time.monotonic()))
+        self.emit(session.apply_vad(chunks, probs, time.monotonic()))  # (the VAD's answer arrives now)
         if session.wants_pass():
             self.server.asr.notify()

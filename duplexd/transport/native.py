@@ -30,13 +30,13 @@ class NativeCodec:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
 
-    async def opening(self) -> None:
+    async def opening(self, now: float) -> None:
         """Before the first message is read: the native protocol waits for `session.start`."""
 
     def configure(self, conversation: Conversation) -> None:
         """A new conversation: the server's settings stand."""
 
-    def tick(self) -> None:
+    def tick(self, now: float) -> None:
         pass
 
     def release(self) -> None:
@@ -82,7 +82,7 @@ class NativeCodec:
         if self.conn.attached:
             self.conn.send({"type": ServerType.REPLY_DELTA, "reply": reply, "text": text, "token_seq": seq})
 
-    async def on_text(self, data: str) -> bool:
+    async def on_text(self, data: str, now: float) -> bool:
         msg = protocol.parse_text(data, self.conn.server.limits)
         if isinstance(msg, protocol.SessionStart | protocol.SessionResume):
             if self.conn.session is not None:
@@ -90,8 +90,8 @@ class NativeCodec:
             if isinstance(msg, protocol.SessionResume):
                 target = self.conn.server.find_resumable(msg)
                 if target.attached:  # its old socket has not failed yet (a half-open TCP connection): drop it
-                    if target.ws.transport is not None:
-                        target.ws.transport.abort()
+                    if target.link is not None:
+                        target.link.abort()
                     await asyncio.wait_for(target.link_closed.wait(), 5)
                 self.conn.resume = (target, msg)
                 return True
@@ -101,7 +101,7 @@ class NativeCodec:
             raise ProtocolError(ErrorCode.NOT_STARTED, f"{type(msg).__name__} before session.start", fatal=True)
         match msg:
             case protocol.Playback(played_ms=played_ms):
-                self._on_playback(played_ms)
+                self._on_playback(played_ms, now)
                 return False
             case protocol.TokenAck(token_seq=seq, event_seq=events):
                 if seq is not None and seq > self.conn.tokens.last_seq:
@@ -115,20 +115,20 @@ class NativeCodec:
                         f"ack.event_seq {events} is past the last event sent ({self.conn.events.last})",
                     )
                 if seq is not None:
-                    self.conn.tokens.ack(seq, time.monotonic())
+                    self.conn.tokens.ack(seq, now)
                 if events is not None:
                     self.conn.events.ack(events)
                 return False
             case protocol.ReplyCancel():
                 if self.conn.conversation is None or not self.conn.conversation.replying:
                     raise ProtocolError(ErrorCode.NO_REPLY, "reply.cancel with no reply in progress")
-                self.conn.dispatch(self.conn.conversation.cancel())
+                self.conn.dispatch(self.conn.conversation.cancel(), now)
                 return False
         await self._finish()
         self.conn.ended = True
         return True
 
-    def _on_playback(self, played_ms: float) -> None:
+    def _on_playback(self, played_ms: float, now: float) -> None:
         sent_ms = 1000 * self.conn.playout.sent / OUTPUT_SAMPLE_RATE
         previous_ms = 1000 * (self.conn.clock.reported or 0) / OUTPUT_SAMPLE_RATE
         if played_ms < 0 or not previous_ms - 1 <= played_ms <= sent_ms + 1:  # 1 ms for the client's rounding
@@ -138,22 +138,21 @@ class NativeCodec:
                 "(it must not go back or pass the audio sent)",
             )
         samples = min(self.conn.playout.sent, round(played_ms * OUTPUT_SAMPLE_RATE / 1000))
-        self.conn.clock.report(samples, time.monotonic())
+        self.conn.clock.report(samples, now)
         self.conn.sent_audio.played(samples)
         if self.conn.conversation is not None:
-            self.conn.dispatch(self.conn.conversation.played(samples))
+            self.conn.dispatch(self.conn.conversation.played(samples), now)
 
     def _open_datagram(self, msg: protocol.SessionStart) -> dict[str, Any]:
         if not msg.datagram or self.conn.conversation is None:
             return {"datagram": None}
         return {"datagram": self.conn.tokens.open_datagram()}
 
-    async def on_binary(self, data: bytes) -> None:
+    async def on_binary(self, data: bytes, now: float) -> None:
         session = self.conn.session
         if session is None:
             raise ProtocolError(ErrorCode.NOT_STARTED, "audio before session.start", fatal=True)
         frame = protocol.parse_binary(data, session.sample_rate, self.conn.server.limits)
-        now = time.monotonic()
         if not self.conn.audio_limit.allow(len(frame.pcm) / 2 / session.sample_rate, now):
             raise ProtocolError(
                 ErrorCode.RATE_LIMITED,
@@ -172,5 +171,5 @@ class NativeCodec:
         await self.conn.server.asr.drained(session)
         self.conn.emit(session.finish_without_pass())
         if self.conn.conversation is not None:
-            self.conn.dispatch(self.conn.conversation.end())
+            self.conn.dispatch(self.conn.conversation.end(), time.monotonic())  # (after the drain)
         self.conn.send({"type": ServerType.SESSION_ENDED, "session_id": session.id})

@@ -41,8 +41,10 @@ from duplexd.events import (
 from duplexd.streaming import conversation as cv
 from duplexd.transport import protocol
 from duplexd.transport import realtime as rt
-from duplexd.transport.connection import CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, Connection, _Closing
-from duplexd.transport.realtime_items import Items, heard_part, render, words
+from duplexd.transport.connection import Connection
+from duplexd.transport.outbox import CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, Closing
+from duplexd.transport.realtime_context import LlmContext
+from duplexd.transport.realtime_items import Items, render
 from duplexd.transport.realtime_oob import OutOfBand
 from duplexd.transport.realtime_out import (
     Ids,
@@ -53,7 +55,6 @@ from duplexd.transport.realtime_out import (
     error_event,
     session_object,
 )
-from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +82,25 @@ class RealtimeCodec:
         self.items = Items()  # the conversation as the client sees it (retrieve, delete, truncate, context)
         self.out = RealtimeOut(self.ids, self.items, self.settings, "conv_-")  # (its ids once the session starts)
         self._idle_since: float | None = None  # (idle_timeout_ms) since the last response played out
-        # The LLM's context follows the items: appended to in place, rebuilt from them after other edits.
-        self._context_prompt = self.settings.instructions  # the instructions the LLM context was built with
-        self._stale = False  # the items were edited in a way the context does not show yet
+        self.context = LlmContext(conn, self.items, self.out, self.settings)  # (the LLM's follows the items)
         self._oob: OutOfBand | None = None  # the responses outside the conversation (a dialog model only)
         t = server.config
         self._vad_defaults = VadDefaults(t.vad.threshold, round(1000 * t.asr.preroll_s), t.turn.min_silence_ms)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
-    async def opening(self) -> None:
+    async def opening(self, now: float) -> None:
         try:
             await self.conn.start(protocol.SessionStart(version=1, sample_rate=rt.AUDIO_RATE, dialog=True))
         except Overloaded as exc:
             self.conn.ended = True
             extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
             self.error(ErrorCode.OVERLOADED, str(exc), **extra)
-            raise _Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
+            raise Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
         if self.conn.conversation is None:
             self._rt_error(rt.RealtimeError("server_error", "This server runs without a dialog model."))
             self.conn.ended = True
-            raise _Closing(CLOSE_POLICY, "no dialog model")
+            raise Closing(CLOSE_POLICY, "no dialog model")
 
     def started(self, msg: protocol.SessionStart, dialog: bool) -> dict[str, Any]:
         assert self.conn.session is not None
@@ -122,13 +121,13 @@ class RealtimeCodec:
 
     # -- client events -----------------------------------------------------------------------------------
 
-    async def on_binary(self, data: bytes) -> None:
+    async def on_binary(self, data: bytes, now: float) -> None:
         self._client_error(rt.RealtimeError("invalid_event", "Binary messages are not part of this protocol."))
 
-    async def on_text(self, data: str) -> bool:
+    async def on_text(self, data: str, now: float) -> bool:
         try:
             event, event_id = rt.parse(data)
-            await self._handle_event(event, event_id)
+            await self._handle_event(event, event_id, now)
         except rt.RealtimeError as exc:
             self._client_error(exc)
         return False
@@ -141,7 +140,7 @@ class RealtimeCodec:
         self.conn.errors += 1
         if self.conn.errors >= self.conn.server.config.transport.max_errors:
             self._rt_error(rt.RealtimeError(ErrorCode.TOO_MANY_ERRORS.value, "Too many invalid events."))
-            raise _Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
+            raise Closing(CLOSE_POLICY, ErrorCode.TOO_MANY_ERRORS.value)
 
     def error(self, code: ErrorCode, message: str, **extra: Any) -> None:
         """The connection's own errors (overloaded, shutting down, idle), as a Realtime `error` event."""
@@ -152,14 +151,14 @@ class RealtimeCodec:
     def _rt_error(self, exc: rt.RealtimeError, kind: str = "invalid_request_error") -> None:
         self.conn.send(error_event(self.ids, exc, kind))
 
-    async def _handle_event(self, event: rt.ClientEvent, event_id: str | None) -> None:
+    async def _handle_event(self, event: rt.ClientEvent, event_id: str | None, now: float) -> None:
         session, conv = self.conn.session, self.conn.conversation
         assert session is not None and conv is not None
         match event:
             case rt.AudioAppend(pcm=pcm):
-                await self._append(pcm)
+                await self._append(pcm, now)
             case rt.SessionUpdate():
-                await self._update(event, event_id)
+                await self._update(event, event_id, now)
             case rt.AudioCommit():
                 if conv.auto_turns and self.out.user_item is None:  # (with VAD: the server committed it already)
                     raise rt.RealtimeError(
@@ -169,8 +168,8 @@ class RealtimeCodec:
                     )
                 self._commit_pending = True
                 silence = np.zeros(int(COMMIT_SILENCE_S * rt.AUDIO_RATE), "<i2").tobytes()
-                await self._append(silence, limited=False)  # (ours, not the client's: not rate limited)
-                self._maybe_commit()
+                await self._append(silence, now, limited=False)  # (ours, not the client's: not rate limited)
+                self._maybe_commit(now)
             case rt.AudioClear():
                 conv.clear()
                 self.out.user_item = None
@@ -178,12 +177,12 @@ class RealtimeCodec:
             case rt.OutputAudioClear():
                 r = self.out.response
                 if r is not None:
-                    self.conn.dispatch(conv.cancel())
+                    self.conn.dispatch(conv.cancel(), now)
                     self._ev("output_audio_buffer.cleared", response_id=r.id)
             case rt.ItemCreate():
-                self._create_item(event, event_id)
+                self.context.create_item(event, event_id, now)
             case rt.ResponseCreate():
-                await self._respond(event, event_id)
+                await self._respond(event, event_id, now)
             case rt.ResponseCancel(response_id=rid) if rid is not None and self._oob is not None and rid in self._oob:
                 self._oob.cancel(rid)
             case rt.ResponseCancel(response_id=rid):
@@ -194,9 +193,9 @@ class RealtimeCodec:
                         "Cancellation failed: no active response found",
                         event_id=event_id,
                     )
-                self.conn.dispatch(conv.cancel())
+                self.conn.dispatch(conv.cancel(), now)
             case rt.ItemTruncate(item_id=item_id, content_index=index, audio_end_ms=end_ms):
-                self._truncate(item_id, index, end_ms, event_id)
+                self.context.truncate(item_id, index, end_ms, event_id, now)
             case rt.ItemRetrieve(item_id=item_id):
                 item = self.items.get(item_id)
                 if item is None:
@@ -208,43 +207,9 @@ class RealtimeCodec:
                     )
                 self._ev("conversation.item.retrieved", item=item)
             case rt.ItemDelete(item_id=item_id):
-                self._delete(item_id, event_id)
+                self.context.delete(item_id, event_id, now)
 
-    def _create_item(self, event: rt.ItemCreate, event_id: str | None) -> None:
-        """A user message at the end joins the LLM's context in place (a whole turn, unless the user is
-        speaking: then it joins that turn); any other item, or one inserted earlier, is kept where the client
-        put it and the context is rebuilt from the items (between responses)."""
-        session, conv = self.conn.session, self.conn.conversation
-        assert session is not None and conv is not None
-        previous = event.previous_item_id
-        if previous is not None and previous != "root" and previous not in self.items:
-            raise rt.RealtimeError(
-                "item_create_invalid_previous_item_id",
-                f"Previous item with id {previous[:64]} not found.",
-                param="previous_item_id",
-                event_id=event_id,
-            )
-        at_end = previous in (None, self.items.last) or (previous == "root" and not self.items)
-        joins_turn = event.role == "user" and bool(event.text) and at_end
-        if joins_turn:
-            self._refuse_while_responding("adding items", event_id)
-        item = {**event.item, "id": event.item_id or self.ids.new("item"), "object": "realtime.item"}
-        item.setdefault("status", "completed")
-        after = self.items.last if previous is None else None if previous == "root" else previous
-        for kind in ("conversation.item.added", "conversation.item.done"):
-            self._ev(kind, previous_item_id=after, item=item)
-        self.items.insert(item, after)
-        if joins_turn:
-            # A whole turn that waits for response.create, unless the user is speaking (it joins that turn).
-            own = session.heard_s if self.out.user_item is None else None
-            self.conn.dispatch(conv.user_text(event.text, own_turn_at=own))
-        elif event.role is not None:
-            self._stale = True
-            self._sync_context()
-        else:
-            log.info("session %s: %s item kept; not part of the LLM's context", session.id, item.get("type"))
-
-    async def _respond(self, event: rt.ResponseCreate, event_id: str | None) -> None:
+    async def _respond(self, event: rt.ResponseCreate, event_id: str | None, now: float) -> None:
         session, conv = self.conn.session, self.conn.conversation
         assert session is not None and conv is not None
         if event.ignored:
@@ -254,25 +219,12 @@ class RealtimeCodec:
         if event.out_of_band:
             await self._out_of_band(event, max_tokens, event_id)
             return
-        self._refuse_while_responding("creating a new one", event_id)
+        self.context.refuse_while_responding("creating a new one", event_id, now)
         instructions = self.settings.instructions if event.instructions is None else event.instructions
-        if self._stale or instructions != self._context_prompt:
-            self._rebuild(instructions)  # (this response's own instructions: the session's come back after it)
+        if self.context.stale or instructions != self.context.prompt:
+            self.context.rebuild(instructions, now)  # (this response's own: the session's come back after it)
         self.out.next = Pending(event.output_modalities, event.metadata, max_tokens)
-        self.conn.dispatch(conv.respond(session.heard_s, max_tokens=max_tokens))
-
-    def _refuse_while_responding(self, doing: str, event_id: str | None) -> None:
-        """OpenAI's error for a response or a user item while a response is in progress (one that has had
-        its `response.done` is over for the client)."""
-        self._settle_reply()
-        conv = self.conn.conversation
-        if conv is not None and conv.replying:
-            raise rt.RealtimeError(
-                "conversation_already_has_active_response",
-                "Conversation already has an active response in progress. Wait until the response is finished "
-                f"before {doing}.",
-                event_id=event_id,
-            )
+        self.conn.dispatch(conv.respond(session.heard_s, max_tokens=max_tokens), now)
 
     async def _out_of_band(self, event: rt.ResponseCreate, max_tokens: int | None, event_id: str | None) -> None:
         """`conversation: "none"` or `input` items: a response outside the conversation (`realtime_oob`), with
@@ -303,46 +255,10 @@ class RealtimeCodec:
             r, system, turns, self._rate_limits(max_tokens), alive=lambda: self.conn.session is not None
         )
 
-    def _rebuild(self, instructions: str) -> None:
-        """Give the LLM the context the items now describe, with `instructions` (not during a response)."""
-        conv = self.conn.conversation
-        assert conv is not None
-        system, turns = render(self.items.values(), instructions)
-        out = conv.replace_context(system, turns)
-        if out:
-            log.info("session %s: LLM context rebuilt from %d turns", self._sid, len(turns))
-            self.conn.dispatch(out)
-            self._stale, self._context_prompt = False, instructions
-
-    @property
-    def _context_outdated(self) -> bool:
-        """The items were edited, or a response's own instructions are still in the LLM's context."""
-        return self._stale or self._context_prompt != self.settings.instructions
-
-    def _sync_context(self) -> None:
-        """Between responses: rebuild the LLM's context if the items were edited, or if a response's own
-        instructions are still in it."""
-        conv = self.conn.conversation
-        if conv is None or self.out.response is not None:
-            return
-        if self._context_outdated:
-            self._settle_reply()  # (the response is over for the client: its audio no longer counts as a reply)
-            if not conv.replying:
-                self._rebuild(self.settings.instructions)
-
-    def _settle_reply(self) -> None:
-        """After `response.done` the response is over for a Realtime client, whose playback the server
-        does not hear about: count its audio as played, so the conversation takes the next turn."""
-        conv = self.conn.conversation
-        if conv is not None and conv.replying and self.out.response is None:
-            self.conn.clock.anchor(self.conn.playout.sent, time.monotonic())
-            self.conn.dispatch(conv.played(self.conn.playout.sent))
-
-    async def _append(self, pcm: bytes, *, limited: bool = True) -> None:
+    async def _append(self, pcm: bytes, now: float, *, limited: bool = True) -> None:
         session = self.conn.session
         assert session is not None
         step = 2 * rt.AUDIO_RATE * self.conn.server.config.transport.max_frame_ms // 1000
-        now = time.monotonic()
         if limited and not self.conn.audio_limit.allow(len(pcm) / 2 / rt.AUDIO_RATE, now):
             raise rt.RealtimeError(
                 "rate_limited",
@@ -355,7 +271,7 @@ class RealtimeCodec:
             chunks = session.accept_frame(self._in_seq, pcm[at : at + step], now)
             await self.conn.run_vad(session, chunks)
 
-    async def _update(self, u: rt.SessionUpdate, event_id: str | None) -> None:
+    async def _update(self, u: rt.SessionUpdate, event_id: str | None, now: float) -> None:
         conv, server, session = self.conn.conversation, self.conn.server, self.conn.session
         assert conv is not None and server.dialog is not None and session is not None
         ignored = list(u.ignored)
@@ -388,7 +304,7 @@ class RealtimeCodec:
                 "session": session_object(session.id, self.settings, self._vad_defaults),
             }
         )
-        self._sync_context()
+        self.context.sync(now)
 
     def _apply_turn_detection(self, conv: cv.Conversation, td: rt.TurnDetection | None) -> None:
         """server_vad: the client's threshold, pre-roll and silence (fixed: min = max); semantic_vad: the
@@ -417,62 +333,7 @@ class RealtimeCodec:
                 preroll_ms=td.prefix_padding_ms if server_vad and td is not None else None,
             )
 
-    def _truncate(self, item_id: str, index: int, end_ms: int, event_id: str | None) -> None:
-        """The client stopped playing item `item_id` at `end_ms` of its audio: that is what the user heard. The
-        response in progress stops there; the last response keeps only that much in the LLM's context."""
-        conv = self.conn.conversation
-        assert conv is not None
-        item, reply = self.items.get(item_id), self.items.reply_of(item_id)
-        if item is None or reply is None:
-            raise rt.RealtimeError(
-                "item_truncate_invalid_item_id",
-                f"Item with item_id not found or not an assistant message: {item_id[:64]}",
-                param="item_id",
-                event_id=event_id,
-            )
-        r = self.out.response
-        audio_ms = self.items.audio_ms(item_id)
-        if (r is None or r.item_id != item_id) and end_ms > audio_ms + 1:  # (in progress: its audio is still made)
-            raise rt.RealtimeError(
-                "invalid_value",
-                f"Audio content of {round(audio_ms)}ms is already shorter than {end_ms}ms",
-                param="audio_end_ms",
-                event_id=event_id,
-            )
-        heard_samples = round(end_ms * OUTPUT_SAMPLE_RATE / 1000)
-        if conv.replying and conv.reply_start_sample is not None:  # (pacing: where the client's playback is)
-            played = min(self.conn.playout.sent, conv.reply_start_sample + heard_samples)
-            self.conn.clock.anchor(played, time.monotonic())
-        cut = conv.truncate(reply, heard_samples)
-        if cut is not None:
-            heard, outputs = cut
-            self.conn.dispatch(outputs)
-            self.items.set_words(item_id, heard)
-        else:  # an older response: its words in proportion to the audio heard, and the context rebuilt
-            self.items.set_words(item_id, heard_part(words(item), end_ms / audio_ms if audio_ms else 0.0))
-            self._stale = True
-            self._sync_context()
-        self._ev("conversation.item.truncated", item_id=item_id, content_index=index, audio_end_ms=end_ms)
-
-    @property
-    def _sid(self) -> str:
-        return self.conn.session.id if self.conn.session is not None else "-"
-
-    def _delete(self, item_id: str, event_id: str | None) -> None:
-        """Forget an item; the LLM's context is rebuilt without it (between responses)."""
-        if item_id not in self.items:
-            raise rt.RealtimeError(
-                "item_delete_invalid_item_id",
-                f"Item with item_id not found: {item_id[:64]}",
-                param="item_id",
-                event_id=event_id,
-            )
-        self.items.delete(item_id)
-        self._ev("conversation.item.deleted", item_id=item_id)
-        self._stale = True
-        self._sync_context()
-
-    def _maybe_commit(self) -> None:
+    def _maybe_commit(self, now: float) -> None:
         session, conv = self.conn.session, self.conn.conversation
         if not self._commit_pending or session is None or conv is None:
             return
@@ -483,20 +344,19 @@ class RealtimeCodec:
             self._commit_pending = False
             if self.out.user_item is None:
                 self.out.user_item = self.ids.new("item")
-            self.conn.dispatch(conv.commit(session.heard_s))
+            self.conn.dispatch(conv.commit(session.heard_s), now)
 
-    def tick(self) -> None:
-        self._maybe_commit()
-        self._maybe_idle()
-        self._sync_context()
+    def tick(self, now: float) -> None:
+        self._maybe_commit(now)
+        self._maybe_idle(now)
+        self.context.sync(now)
 
-    def _maybe_idle(self) -> None:
+    def _maybe_idle(self, now: float) -> None:
         """server_vad `idle_timeout_ms`: no speech for that long once the last response has played out
         -> `input_audio_buffer.timeout_triggered`, an empty user turn, and a response."""
         session, conv, td = self.conn.session, self.conn.conversation, self.settings.turn_detection
         if session is None or conv is None or td is None or td.idle_timeout_ms is None or not self.out.responded:
             return
-        now = time.monotonic()
         if conv.replying or self.out.user_item is not None or self._commit_pending:
             self._idle_since = None
             return
@@ -516,7 +376,7 @@ class RealtimeCodec:
             item_id=self.out.user_item,
         )
         self.out.next = Pending(None, None, self.settings.max_output_tokens)
-        self.conn.dispatch(conv.respond(session.heard_s, max_tokens=self.settings.max_output_tokens))
+        self.conn.dispatch(conv.respond(session.heard_s, max_tokens=self.settings.max_output_tokens), now)
 
     # -- server events -----------------------------------------------------------------------------------
 
@@ -559,8 +419,8 @@ class RealtimeCodec:
 
     def _response_done(self, reply: int, text: str, status: str, reason: str | None) -> None:
         self._send_all(self.out.response_done(reply, text, status, reason))
-        if self._context_outdated:
-            asyncio.get_running_loop().call_soon(self._sync_context)  # (after the conversation's commands)
+        if self.context.outdated:
+            asyncio.get_running_loop().call_soon(lambda: self.context.sync(time.monotonic()))  # (after the commands)
 
     def token(self, reply: int, text: str) -> None:
         self._send_all(self.out.token(reply, text))

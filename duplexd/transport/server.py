@@ -41,6 +41,7 @@ from duplexd.transport.native import NativeCodec
 from duplexd.transport.protocol import Limits
 from duplexd.transport.realtime_session import RealtimeCodec
 from duplexd.transport.resume import same_token
+from duplexd.transport.shell import WebSocketShell
 from duplexd.tts.engine import TtsEngine
 
 __all__ = ["REALTIME_PATH", "STREAM_PATH", "Engines", "Server"]
@@ -272,18 +273,12 @@ class Server:
     async def _serve_connection(self, ws: ServerConnection) -> None:
         self.counters["connections"] += 1
         realtime = ws.request is not None and ws.request.path.split("?", 1)[0] == REALTIME_PATH
-        conn = Connection(self, ws, RealtimeCodec if realtime else NativeCodec)
-        try:
-            await conn.run()
-        finally:
-            conn.end_link()
+        conn = Connection(self, RealtimeCodec if realtime else NativeCodec, time.monotonic())
+        idle_s = self.config.security.idle_timeout_s
+        await WebSocketShell(conn, ws, idle_s).run()
         if conn.resume is not None:  # the connection asked to continue a session: hand it over
             target, msg = conn.resume
-            target.ws = ws
-            try:
-                await target.run(resume=msg)
-            finally:
-                target.end_link()
+            await WebSocketShell(target, ws, idle_s).run(resume=msg)
 
     def find_resumable(self, msg: protocol.SessionResume) -> Connection:
         """The session `msg` asks to continue, if the token is its own; else `resume_refused`."""
