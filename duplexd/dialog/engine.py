@@ -15,7 +15,8 @@ so it is bounded by construction). The session core drives it with a small duple
 
 A step packs one decode token for every replying session, then prefill chunks (replying sessions first),
 within a token budget. Drafts (`Priority.DRAFT`) only get steps that have no other work: a draft never
-shares a step with, and so never slows, a real session.
+shares a step with, and so never slows, a real session. Those rules are `planner.StepPlanner`'s (pure, over
+a snapshot of the sessions); the engine carries its plan out.
 
 Lossless drafts. Greedy decoding is deterministic and batch-invariant (see `model.py`): a chunk's numbers
 depend only on its own tokens and the session's KV. Chunks are cut the same way however the queue filled
@@ -34,7 +35,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 from torch import Tensor
@@ -45,6 +45,7 @@ from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.guard import banned_tokens, reply_end
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
 from duplexd.dialog.model import Segment, Transformer
+from duplexd.dialog.planner import PlannerConfig, Priority, SessionView, StepPlanner, chunks
 from duplexd.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -133,13 +134,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class UnknownSession(EngineError):
     """No open session has this id."""
-
-
-class Priority(Enum):
-    """Prefill order within a step (decode of replying sessions always comes first)."""
-
-    NORMAL = 0
-    DRAFT = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +230,7 @@ class DialogEngine:
             "draft_busy_s": 0.0,
         }
         self.last_schedule: list[tuple[int, Priority]] = []  # sessions with work at the last step
-        self.last_packed: list[tuple[int, str, int]] = []  # (session, `_kind`, tokens), in packing order
+        self.last_packed: list[tuple[int, str, int]] = []  # (session, `planner.Kind`, tokens), in packing order
         # (step seconds, sessions in the step, tokens in the step) for /metrics; the server drains it
         self.step_samples: deque[tuple[float, int, int]] = deque(maxlen=4096)
 
@@ -338,7 +332,7 @@ class DialogEngine:
         session = self._get(sid)
         key, at = session.key, 0
         for cut in session.cuts:
-            for n in _chunks(cut, self.config.prefill_chunk):
+            for n in chunks(cut, self.config.prefill_chunk):
                 key = _chain(key, tuple(itertools.islice(session.pending, at, at + n)))
                 at += n
         return hash((key, session.user_open, session.replying))
@@ -350,17 +344,17 @@ class DialogEngine:
         if session.reply:
             return 0
         chunk = self.config.prefill_chunk
-        steps = sum(len(_chunks(cut, chunk)) for cut in session.cuts)
+        steps = sum(len(chunks(cut, chunk)) for cut in session.cuts)
         if session.replying:
             return steps
-        header = len(_chunks(self._user_close_len, chunk))
-        opening = 0 if session.user_open else len(_chunks(self._user_open_len, chunk))
+        header = len(chunks(self._user_close_len, chunk))
+        opening = 0 if session.user_open else len(chunks(self._user_open_len, chunk))
         return steps + header + opening
 
     def parked(self, sid: int) -> bool:
         """A draft that reached its decode limit (or finished its reply) and waits to be adopted or freed."""
         session = self._get(sid)
-        return session.decode_limit is not None and (not session.replying or _at_limit(session))
+        return session.decode_limit is not None and (not session.replying or _view(session).at_limit)
 
     @property
     def sessions(self) -> int:
@@ -398,7 +392,7 @@ class DialogEngine:
         return any(self._has_work(s) for s in self._sessions.values() if drafts or s.priority is Priority.NORMAL)
 
     def _has_work(self, s: _Session) -> bool:
-        return bool(s.pending) and not (s.replying and _at_limit(s))
+        return _view(s).has_work
 
     # --- the duplex API -------------------------------------------------------------------------------
 
@@ -594,38 +588,26 @@ class DialogEngine:
         return out
 
     def _schedule(self) -> list[_Work]:
-        budget = self.config.step_token_budget
-        work: list[_Work] = []
-        ready = [s for s in self._sessions.values() if self._has_work(s)]
-        real = [s for s in ready if s.priority is Priority.NORMAL]
-        ready = real or ready  # drafts only get steps with nothing else to do
-        self.last_schedule = [(s.id, s.priority) for s in ready]
-        decode = [s for s in ready if s.replying and len(s.pending) == 1 and s.reply]
-        decoding = {s.id for s in decode}
-        decode = [s for s in decode if self._admit(s, 1, decoding)]
-        for s in decode:
-            work.append(self._work(s, 1))
-        budget -= len(decode)
-        chosen = {s.id for s in decode}
-        in_step = set(chosen)
-        waiting = sorted(
-            (s for s in ready if s.id not in chosen),
-            key=lambda s: (not s.replying, s.priority.value, s.served, s.id),
-        )
-        for s in waiting:
-            n = min(s.cuts[0], self.config.prefill_chunk)
-            if n > budget and work:
-                continue
-            if not self._admit(s, n, in_step):
-                continue
-            work.append(self._work(s, n))
-            in_step.add(s.id)
-            s.served = self.stats["steps"]
-            budget -= n
-            self.stats["prefill_tokens"] += n
-        self.stats["decode_tokens"] += len(decode)
-        self.last_packed = [(w.session.id, _kind(w.session, chosen), len(w.tokens)) for w in work]
-        if ready and not real:
+        """Plan the step (`planner.StepPlanner`: who gets which tokens), then make the work of it: each
+        piece is put to `_admit` in the planner's order, and the sessions' counters follow the plan."""
+        config = PlannerConfig(self.config.step_token_budget, self.config.prefill_chunk)
+        planner = StepPlanner(config, [_view(s) for s in self._sessions.values()])
+        while (sid := planner.next_session()) is not None:
+            session = self._sessions[sid]
+            offer = planner.offer(session.cuts[0])  # (its head now: an `_admit` may have queued more before it)
+            if offer is not None:
+                planner.answer(self._admit(session, offer.tokens, set(offer.in_step)))
+        plan = planner.plan()
+        self.last_schedule = [(s.sid, s.priority) for s in plan.ready]
+        work = [self._work(self._sessions[w.sid], w.tokens) for w in plan.work]
+        for w in plan.work:
+            if w.kind == "decode":
+                self.stats["decode_tokens"] += w.tokens
+            else:
+                self._sessions[w.sid].served = self.stats["steps"]
+                self.stats["prefill_tokens"] += w.tokens
+        self.last_packed = [(w.sid, w.kind, w.tokens) for w in plan.work]
+        if plan.drafts_only:
             self.stats["draft_steps"] += 1
         return work
 
@@ -689,23 +671,18 @@ class DialogEngine:
             raise UnknownSession(f"no dialog session {sid}") from None
 
 
-def _kind(session: _Session, decoding: set[int]) -> str:
-    """What a session's work in a step is for: a reply's next token, a reply's prefill (its header), a
-    listening session's words, or a draft's."""
-    if session.id in decoding:
-        return "decode"
-    if session.priority is Priority.DRAFT:
-        return "draft"
-    return "reply" if session.replying else "listen"
-
-
-def _at_limit(session: _Session) -> bool:
-    """A draft has decoded as many reply tokens as it may."""
-    return session.decode_limit is not None and len(session.reply) >= session.decode_limit
-
-
-def _chunks(n: int, size: int) -> list[int]:
-    return [min(size, n - at) for at in range(0, n, size)]
+def _view(session: _Session) -> SessionView:
+    """What the step planner reads of a session."""
+    return SessionView(
+        session.id,
+        session.priority,
+        pending_tokens=len(session.pending),
+        head_tokens=session.cuts[0] if session.cuts else 0,
+        replying=session.replying,
+        reply_tokens=len(session.reply),
+        decode_limit=session.decode_limit,
+        served=session.served,
+    )
 
 
 def _chain(key: int, piece: tuple[object, ...]) -> int:
