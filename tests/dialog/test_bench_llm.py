@@ -123,7 +123,13 @@ def _measurements(engine: bool) -> dict:
         n: {"tok_s": 10.0 * n**0.5, "tokens": 32 * n, "steps": 32, "rss_delta_mb": 2.0 * n} for n in (1, 2, 4, 8, 16)
     }
     parts = {
-        "config": {"max_sessions": 16},
+        "config": {"max_sessions": 16, "dtype": "auto"},
+        "tuning": {
+            "dtype": "bfloat16",
+            "dtype_setting": "auto",
+            "dtypes_offered": ["float32", "bfloat16"],
+            "decode_linear": "tiles 4/8/16",
+        },
         "aggregate": aggregate,
         "prefill_tok_s": 400.0,
         "kv_resident_max_tokens": 1024,
@@ -138,7 +144,10 @@ def _measurements(engine: bool) -> dict:
         "quick": True,
         "engine": parts if engine else dict.fromkeys(parts),
         "hf_generate_tok_s": 5.0 if engine else None,
-        "matmul": {k: {d: dict(bound) for d in ("fp32", "bf16")} for k in ("gemm", "rowwise")},
+        "matmul": {
+            k: {d: {n: b * (2 if d == "bf16" else 1) for n, b in bound.items()} for d in ("fp32", "bf16")}
+            for k in ("gemm", "rowwise")
+        },
         "ppl_text": {"source": "pydoc_data.topics", "tokens": 2048},
         "skipped": {} if engine else {"engine": "absent", "hf_generate_tok_s": "absent"},
         "phases": {
@@ -168,13 +177,17 @@ def test_report_has_every_key_and_its_ratios(tmp_path: Path) -> None:
     assert REQUIRED <= set(result)
     assert set(result["aggregate_tok_s"]) == {"1", "2", "4", "8", "16"}
     assert result["single_tok_s"] == 10.0
-    assert result["engine_bound_tok_s"] == result["matmul_bound_tok_s"]["rowwise"]["fp32"]
+    # the bound is the plain GEMM in the dtype the engine chose at load
+    assert result["engine_bound_tok_s"] == result["matmul_bound_tok_s"]["gemm"]["bf16"]
+    assert result["engine_config"]["dtype"] == "bfloat16" and result["engine_config"]["dtype_setting"] == "auto"
+    assert result["engine_config"]["dtypes_offered"] == ["float32", "bfloat16"]
+    assert result["engine_config"]["decode_linear"] == "tiles 4/8/16"
     assert set(result["ppl"]) == {"full", "window_sinks", "window_no_sinks"}
     assert result["rss_per_session_mb"] == pytest.approx(2.0)
     ratios = result["ratios"]
     assert ratios["single_over_hf"] == pytest.approx(2.0)
     assert ratios["aggregate16_over_single"] == pytest.approx(4.0)
-    assert ratios["aggregate_over_engine_bound"]["1"] == pytest.approx(0.5)
+    assert ratios["aggregate_over_engine_bound"]["1"] == pytest.approx(0.25)
     assert {"cpu", "cores", "torch"} <= set(result["machine"])
     out = tmp_path / "llm.json"
     out.write_text(json.dumps(result))

@@ -25,6 +25,13 @@ QUESTIONS = [
 ]
 
 
+@pytest.fixture(params=["smol", "tuned"], ids=["rowwise-float32", "as-loaded"])
+def either(request: pytest.FixtureRequest) -> tuple[Transformer, ChatTokenizer]:
+    """The reference model (float32, rowwise), and the model as this machine loads it (dtype and kernel
+    measured): batch invariance must hold for both."""
+    return request.getfixturevalue(request.param)
+
+
 def make_engine(smol: tuple[Transformer, ChatTokenizer], **kwargs: object) -> DialogEngine:
     model, tokenizer = smol
     return DialogEngine(model, tokenizer, EngineConfig(**kwargs))  # type: ignore[arg-type]
@@ -60,7 +67,8 @@ def full_attention_reply(engine: DialogEngine, question: str, limit: int) -> lis
     return out
 
 
-def test_windowed_decode_equals_full_attention_while_it_fits(smol) -> None:
+def test_windowed_decode_equals_full_attention_while_it_fits(either) -> None:
+    smol = either
     engine = make_engine(smol, max_sessions=1, max_reply_tokens=40)
     sid, reply = ask(engine, QUESTIONS[0])
     assert reply, "no reply"
@@ -69,7 +77,8 @@ def test_windowed_decode_equals_full_attention_while_it_fits(smol) -> None:
     assert engine.resident_tokens(sid) == engine.tokens_seen(sid) <= engine.config.window.capacity
 
 
-def test_batched_equals_alone_bit_for_bit(smol) -> None:
+def test_batched_equals_alone_bit_for_bit(either) -> None:
+    smol = either
     alone_engine = make_engine(smol, max_sessions=1, max_reply_tokens=24)
     alone, p_alone = [], []
     for i, q in enumerate(QUESTIONS):
@@ -117,7 +126,8 @@ def test_batched_equals_alone_bit_for_bit(smol) -> None:
     assert engine.stats["steps"] < sum(len(r) for r in alone) + 3 * 10, "sessions were not batched"
 
 
-def test_fork_does_not_disturb_the_parent(smol) -> None:
+def test_fork_does_not_disturb_the_parent(either) -> None:
+    smol = either
     engine = make_engine(smol, max_sessions=3, max_reply_tokens=20)
     control, _ = ask(engine, QUESTIONS[1])
     control_reply = engine.reply_tokens(control)
@@ -297,7 +307,8 @@ def speculative_reply(
     return reply, hit
 
 
-def test_an_adopted_draft_is_the_reply_token_for_token(smol) -> None:
+def test_an_adopted_draft_is_the_reply_token_for_token(either) -> None:
+    smol = either
     engine = make_engine(smol, max_sessions=4, max_reply_tokens=30)
     for question in QUESTIONS:
         head, tail = question.split(" ", 1)

