@@ -1,8 +1,8 @@
 """Attention over the KV pool for one packed engine step (the kernels of `DialogEngine.step`).
 
-A step's rows are one-token rows (decode, and one-token prefill chunks) and longer prefill chunks. All the
-one-token rows go through one batched call (`DecodeBatch`) over each slot's full `S + W` rows; each longer
-chunk attends on its own (`attend_one`). Either way a row is computed the same whatever else is in the
+A step's rows are one-token rows (decode, and one-token prefill chunks) and longer prefill chunks. The
+one-token rows go through one batched call per length bucket (`DecodeBatch`: each over its sessions' used
+rows, rounded up to `BUCKET_ROWS`); each longer chunk attends on its own (`attend_one`). Either way a row is computed the same whatever else is in the
 step: per-(session, KV head) matmuls, unused rows masked, the sinks always scored with their own rotation
 (see `kv_window` for the positions). That is what makes the engine batch-invariant (see `model.py`).
 """
@@ -48,58 +48,106 @@ def step_attention(pool: KvPool, head_dim: int, rows: Sequence[tuple[int, Plan, 
     return attend
 
 
+BUCKET_ROWS = 128  # a one-token row attends over its slot's used rows rounded up to a multiple of this
+
+
+def bucket_rows(used: int, capacity: int) -> int:
+    """The cache rows a session with `used` rows attends over: its own length rounded up, so sessions of
+    similar length share one call and a short conversation does not pay for the whole window."""
+    return min(capacity, max(BUCKET_ROWS, -(-used // BUCKET_ROWS) * BUCKET_ROWS))
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    """The one-token rows whose sessions attend over the same number of cache rows."""
+
+    index: Tensor  # their positions in the batch
+    slots: Tensor
+    span: slice | None  # the slots as a slice when they are consecutive (a view instead of a gather)
+    length: int  # cache rows attended (the rest of the slot is unused)
+    mask: Tensor  # [b, 1, 1, length + 1]
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
-    """One-token rows of several sessions, attended in one batched call over each slot's full `S + W` rows.
+    """One-token rows of several sessions, attended in one batched call per length bucket.
 
-    Every such row is computed the same way whatever else is in the batch: the sink columns always with
-    the sink rotation, the window over all rows (unused ones masked), and per-(session, KV head) matmuls.
+    A row's cache rows are its slot's first `bucket_rows(used)`: a number that depends on its own session
+    only, so its shapes, and its numbers, are the same whatever else is in the step. Within a bucket the
+    sink columns are always scored with the sink rotation, unused rows are masked, and the matmuls are per
+    (session, KV head).
     """
 
     slots: Tensor
-    span: slice | None  # the slots as a slice when they are consecutive (a view instead of a gather)
     rows: Tensor  # cache row each new key goes to
-    mask: Tensor  # [B, 1, 1, S + W + 1]
     rot_abs: Tensor  # [B, D/2]
     rot_sink: Tensor  # [B, D/2]
+    buckets: tuple[_Bucket, ...]
 
     @classmethod
     def build(cls, pool: KvPool, slots: list[int], plans: list[Plan]) -> DecodeBatch:
         capacity = pool.window.capacity
-        mask = torch.full((len(plans), capacity + 1), float("-inf"))
+        by_length: dict[int, list[int]] = {}
         for i, plan in enumerate(plans):
-            mask[i, : plan.used] = plan.mask[0, : plan.used]
-            mask[i, capacity] = plan.mask[0, plan.used]
-        consecutive = bool(slots) and slots == list(range(slots[0], slots[0] + len(slots)))
+            by_length.setdefault(bucket_rows(plan.used, capacity), []).append(i)
+        buckets = []
+        for length, members in sorted(by_length.items()):
+            mask = torch.full((len(members), length + 1), float("-inf"))
+            for j, i in enumerate(members):
+                plan = plans[i]
+                mask[j, : plan.used] = plan.mask[0, : plan.used]
+                mask[j, length] = plan.mask[0, plan.used]
+            ids = [slots[i] for i in members]
+            consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
+            buckets.append(
+                _Bucket(
+                    index=torch.tensor(members, dtype=torch.long),
+                    slots=torch.tensor(ids, dtype=torch.long),
+                    span=slice(ids[0], ids[0] + len(ids)) if consecutive else None,
+                    length=length,
+                    mask=mask[:, None, None, :],
+                )
+            )
         return cls(
             slots=torch.tensor(slots, dtype=torch.long),
-            span=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
             rows=torch.cat([p.rows for p in plans]) if plans else torch.empty(0, dtype=torch.long),
-            mask=mask[:, None, None, :],
             rot_abs=torch.cat([p.rot_abs for p in plans]) if plans else torch.empty(0),
             rot_sink=torch.cat([p.rot_abs if p.rot_sink is None else p.rot_sink for p in plans])
             if plans
             else torch.empty(0),
+            buckets=tuple(buckets),
         )
 
     def attend(self, pool: KvPool, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: int) -> Tensor:
         """`q[B, H, D]`, `k`/`v[B, Hkv, D]` (pre-RoPE) -> `[B, H, D]`; the new keys/values go into the pool."""
         b, heads, dim = q.shape
         kv_heads = k.shape[1]
-        if self.span is not None:
-            k_cache, v_cache = pool.k[layer, self.span], pool.v[layer, self.span]
-        else:
-            k_cache, v_cache = pool.k[layer].index_select(0, self.slots), pool.v[layer].index_select(0, self.slots)
         q_abs = apply_rope(q, self.rot_abs).view(b, kv_heads, heads // kv_heads, dim)
+        q_sink = apply_rope(q, self.rot_sink).view(b, kv_heads, heads // kv_heads, dim) if sinks else None
         k = apply_rope(k, self.rot_abs).unsqueeze(2)  # [B, Hkv, 1, D]
         v = v.unsqueeze(2)
-        scores = [q_abs @ k_cache.transpose(-1, -2), q_abs @ k.transpose(-1, -2)]
-        if sinks:
-            q_sink = apply_rope(q, self.rot_sink).view(b, kv_heads, heads // kv_heads, dim)
-            scores[0][..., :sinks] = q_sink @ k_cache[:, :, :sinks].transpose(-1, -2)
-        probs = attention_weights(torch.cat(scores, dim=-1), scale, self.mask, v.dtype)
-        capacity = k_cache.shape[2]
-        out = probs[..., :capacity] @ v_cache + probs[..., capacity:] * v
+        out = q_abs.new_empty(b, kv_heads, heads // kv_heads, dim) if len(self.buckets) > 1 else None
+        for bucket in self.buckets:
+            whole = out is None
+            rows = slice(None) if whole else bucket.index
+            if bucket.span is not None:
+                k_cache = pool.k[layer, bucket.span, :, : bucket.length]
+                v_cache = pool.v[layer, bucket.span, :, : bucket.length]
+            else:
+                k_cache = pool.k[layer].index_select(0, bucket.slots)[:, :, : bucket.length]
+                v_cache = pool.v[layer].index_select(0, bucket.slots)[:, :, : bucket.length]
+            qa, kn, vn = q_abs[rows], k[rows], v[rows]
+            scores = [qa @ k_cache.transpose(-1, -2), qa @ kn.transpose(-1, -2)]
+            if q_sink is not None:
+                scores[0][..., :sinks] = q_sink[rows] @ k_cache[:, :, :sinks].transpose(-1, -2)
+            probs = attention_weights(torch.cat(scores, dim=-1), scale, bucket.mask, vn.dtype)
+            part = probs[..., : bucket.length] @ v_cache + probs[..., bucket.length :] * vn
+            if whole:
+                out = part
+            else:
+                assert out is not None
+                out[bucket.index] = part
+        assert out is not None
         pool.k[layer, self.slots, :, self.rows] = k[:, :, 0]
         pool.v[layer, self.slots, :, self.rows] = v[:, :, 0]
         return out.reshape(b, heads, dim)

@@ -1,0 +1,88 @@
+"""Decode attention by length bucket: a session attends over its own used rows (rounded up), gets bitwise the
+same numbers whatever other sessions share the call, and the same attention as over its whole slot."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from duplexd.dialog.attention import BUCKET_ROWS, DecodeBatch, bucket_rows
+from duplexd.dialog.kv_window import KvPool, RopeTable, WindowConfig, WindowState
+
+WINDOW = WindowConfig(sink_tokens=4, window_tokens=508)  # capacity 512: four buckets
+HEADS, KV_HEADS, DIM = 4, 2, 16
+ROPE = RopeTable(head_dim=DIM, theta=10000.0, cached=4096)
+
+
+def test_a_bucket_is_the_used_rows_rounded_up_within_the_slot() -> None:
+    capacity = WINDOW.capacity
+    assert bucket_rows(0, capacity) == BUCKET_ROWS
+    assert bucket_rows(1, capacity) == BUCKET_ROWS
+    assert bucket_rows(BUCKET_ROWS, capacity) == BUCKET_ROWS
+    assert bucket_rows(BUCKET_ROWS + 1, capacity) == 2 * BUCKET_ROWS
+    assert bucket_rows(capacity, capacity) == capacity
+    assert bucket_rows(capacity - 1, 300) == 300  # (never past the slot)
+
+
+def _pool_with(lengths: list[int], dtype: torch.dtype) -> tuple[KvPool, list[WindowState]]:
+    """A pool whose slot i holds `lengths[i]` tokens of random keys and values."""
+    gen = torch.Generator().manual_seed(1)
+    pool = KvPool(layers=1, kv_heads=KV_HEADS, head_dim=DIM, window=WINDOW, slots=len(lengths), dtype=dtype)
+    states = []
+    for slot, n in enumerate(lengths):
+        state = WindowState(WINDOW)
+        for _ in range(n):
+            plan = state.plan(1, ROPE, HEADS // KV_HEADS)
+            pool.k[0, slot, :, plan.rows] = torch.randn(KV_HEADS, 1, DIM, generator=gen).to(dtype)
+            pool.v[0, slot, :, plan.rows] = torch.randn(KV_HEADS, 1, DIM, generator=gen).to(dtype)
+            state.commit(plan)
+        states.append(state)
+    return pool, states
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_alone_and_beside_sessions_of_other_lengths(dtype: torch.dtype) -> None:
+    lengths = [20, 300, 700, 130]  # buckets 128, 384, 512 (the window is full), 256
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(len(lengths), HEADS, DIM, generator=gen).to(dtype)
+    k = torch.randn(len(lengths), KV_HEADS, DIM, generator=gen).to(dtype)
+    v = torch.randn(len(lengths), KV_HEADS, DIM, generator=gen).to(dtype)
+    scale = 1 / math.sqrt(DIM)
+
+    pool, states = _pool_with(lengths, dtype)
+    plans = [s.plan(1, ROPE, HEADS // KV_HEADS) for s in states]
+    together = DecodeBatch.build(pool, list(range(len(lengths))), plans).attend(pool, 0, q, k, v, scale, 4)
+    assert {b.length for b in DecodeBatch.build(pool, [0, 1, 2, 3], plans).buckets} == {128, 384, 512, 256}
+
+    for i in range(len(lengths)):
+        pool, states = _pool_with(lengths, dtype)
+        plan = states[i].plan(1, ROPE, HEADS // KV_HEADS)
+        alone = DecodeBatch.build(pool, [i], [plan]).attend(pool, 0, q[i : i + 1], k[i : i + 1], v[i : i + 1], scale, 4)
+        assert torch.equal(alone[0], together[i]), f"session {i} ({lengths[i]} tokens) depends on the others"
+
+
+def test_a_bucket_attends_as_the_whole_slot_would() -> None:
+    """Rows past a session's bucket are unused: cutting them off changes nothing but the cost."""
+    pool, states = _pool_with([40], torch.float32)
+    plan = states[0].plan(1, ROPE, HEADS // KV_HEADS)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    scale = 1 / math.sqrt(DIM)
+    bucketed = DecodeBatch.build(pool, [0], [plan]).attend(pool, 0, q, k, v, scale, 4)
+
+    # The reference: plain softmax attention over the used rows and the new key, sinks by their rotation.
+    from duplexd.dialog.model import apply_rope
+
+    pool, states = _pool_with([40], torch.float32)
+    used = plan.used
+    q_abs = apply_rope(q, plan.rot_abs).view(KV_HEADS, HEADS // KV_HEADS, DIM)
+    q_sink = apply_rope(q, plan.rot_sink if plan.rot_sink is not None else plan.rot_abs).view(KV_HEADS, -1, DIM)
+    keys = torch.cat([pool.k[0, 0, :, :used], apply_rope(k, plan.rot_abs).transpose(0, 1)], dim=1)
+    values = torch.cat([pool.v[0, 0, :, :used], v.transpose(0, 1)], dim=1)
+    scores = q_abs @ keys.transpose(-1, -2)
+    scores[..., :4] = q_sink @ keys[:, :4].transpose(-1, -2)
+    scores = scores * scale + plan.mask[0]
+    expected = (torch.softmax(scores, -1) @ values).reshape(1, HEADS, DIM)
+    torch.testing.assert_close(bucketed, expected, rtol=1e-5, atol=1e-5)
