@@ -19,7 +19,6 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +34,7 @@ from duplexd.dialog.gguf_weights import ChatTokenizer, LlamaConfig, open_gguf, r
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
 from duplexd.dialog.model import Segment, Transformer
 from duplexd.dialog.models import gguf_path
+from duplexd.dialog.tuning import long_text
 
 Kernel = Literal["gemm", "rowwise"]
 
@@ -85,28 +85,6 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "load_avg_1m": os.getloadavg()[0],  # above ~0.5 before the run: other processes share the CPUs
     }
-
-
-def long_text() -> str:
-    """A long real English text that every CPython install has, with no download: the Python reference docs.
-
-    `pydoc_data.topics.topics` is the prose `help()` shows for keywords and topics (about 460,000
-    characters, over 100,000 SmolLM2 tokens). Topics are joined in sorted key order; reStructuredText
-    underline rows (`*****`, `=====`) are dropped, each line is stripped with runs of spaces and tabs made
-    one space, and runs of blank lines become one. The text differs a little between Python versions, so
-    results record the Python version and a digest of the tokens.
-    """
-    from pydoc_data.topics import topics
-
-    lines = []
-    for key in sorted(topics):
-        for line in topics[key].splitlines():
-            line = re.sub(r"[ \t]+", " ", line).strip()
-            if re.fullmatch(r"([*=\-~^#])\1{2,}", line):
-                continue
-            lines.append(line)
-        lines.append("")
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
 
 
 def long_text_tokens(tokenizer: ChatTokenizer, n_tokens: int = PPL_TOKENS) -> list[int]:
