@@ -36,14 +36,22 @@ TURNS = ["What is the capital of France?", " Tell me about its history.", " Name
 HEARD = 3  # pieces of the second reply the user heard before talking over it
 
 
+# Both sides in float32: a conversation replayed from its transcript (the server prefills it in chunks) and
+# the same conversation lived turn by turn (its replies decoded one token at a time) agree token for token
+# in float32; in bfloat16 the two kernels' rounding moves a greedy choice by the third turn (measured).
+DTYPE = "float32"
+
+
 @pytest.fixture(scope="module")
 def local(gguf_file: Path) -> DialogEngine:  # (gguf_file: skipped where SmolLM2 cannot be fetched)
-    return DialogEngine.load(EngineConfig(max_sessions=2, max_reply_tokens=MAX_TOKENS))
+    return DialogEngine.load(EngineConfig(max_sessions=2, max_reply_tokens=MAX_TOKENS, dtype=DTYPE))
 
 
 @pytest.fixture(scope="module")
-def llm_url(local: DialogEngine) -> Iterator[str]:
-    with serve_llm_process("--max-tokens", str(MAX_TOKENS), "--max-sessions", "4") as port:
+def llm_url(local: DialogEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    config = tmp_path_factory.mktemp("serve-llm") / "duplexd.toml"
+    config.write_text(f'[dialog]\ndtype = "{DTYPE}"\n')
+    with serve_llm_process("--max-tokens", str(MAX_TOKENS), "--max-sessions", "4", "--config", str(config)) as port:
         yield f"http://127.0.0.1:{port}/v1"
 
 
