@@ -2,9 +2,10 @@
 
 A step's rows are one-token rows (decode, and one-token prefill chunks) and longer prefill chunks. The
 one-token rows go through one batched call per length bucket (`DecodeBatch`: each over its sessions' used
-rows, rounded up to `BUCKET_ROWS`); each longer chunk attends on its own (`attend_one`). Either way a row is computed the same whatever else is in the
-step: per-(session, KV head) matmuls, unused rows masked, the sinks always scored with their own rotation
-(see `kv_window` for the positions). That is what makes the engine batch-invariant (see `model.py`).
+rows, rounded up to `BUCKET_ROWS`); each longer chunk attends on its own (`attend_one`). Either way a row is
+computed the same whatever else is in the step: per-(session, KV head) matmuls, unused rows masked, the
+sinks always scored with their own rotation (see `kv_window` for the positions). That is what makes the
+engine batch-invariant (see `model.py`).
 """
 
 from __future__ import annotations
