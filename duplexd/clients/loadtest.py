@@ -377,8 +377,16 @@ async def _watch_admission(url: str, start: float, trace: list[dict[str, Any]]) 
     while True:
         try:
             h = await asyncio.to_thread(get)
-            a = h.get("admission", {})
-            trace.append({"t": round(time.monotonic() - start, 2), "limit": a.get("limit"), "sessions": h["sessions"]})
+            a, loop = h.get("admission", {}), h.get("event_loop") or {}
+            trace.append(
+                {
+                    "t": round(time.monotonic() - start, 2),
+                    "limit": a.get("limit"),
+                    "sessions": h["sessions"],
+                    "loop_p99_ms": loop.get("recent_p99_ms"),  # (over the server's last minute)
+                    "loop_max_ms": loop.get("recent_max_ms"),
+                }
+            )
         except (OSError, ValueError, KeyError):
             pass
         await asyncio.sleep(1.0)
@@ -429,10 +437,18 @@ async def run(
         "continuous": continuous,
         "session_s": session_s,
         "admission_trace": trace,
+        # The server's event-loop lag during the run: the worst p99 (over its last minute) and the worst lag
+        # it reported while the load ran (None: its /healthz has no event-loop figures).
+        "loop_lag_p99_ms": _worst(trace, "loop_p99_ms"),
+        "loop_lag_max_ms": _worst(trace, "loop_max_ms"),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         # Every session's figures, its samples included (`write_report` leaves those out of the JSON).
         "users": [_user_dict(u) for u in users],
     }
+
+
+def _worst(trace: list[dict[str, Any]], key: str) -> float | None:
+    return max((t[key] for t in trace if t.get(key) is not None), default=None)
 
 
 def _user_dict(u: UserResult) -> dict[str, Any]:

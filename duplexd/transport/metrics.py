@@ -15,6 +15,7 @@ from duplexd.streaming.timeline import TurnTiming
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+_LOOP_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _LAG_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _PASS_BUCKETS_S = (0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
 _STEP_BUCKETS_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -29,6 +30,12 @@ class Metrics:
         self.sessions_admitted = Counter("duplexd_sessions_admitted", "Sessions admitted", registry=r)
         self.sessions_refused = Counter("duplexd_sessions_refused", "Sessions refused (full)", registry=r)
         self.admission_limit = Gauge("duplexd_admission_limit", "Sessions the controller admits now", registry=r)
+        self.loop_lag = Histogram(
+            "duplexd_event_loop_lag_seconds",
+            "How much later than asked the event loop ran a timer (work held it up)",
+            buckets=_LOOP_BUCKETS_S,
+            registry=r,
+        )
         self.frame_lag = Histogram(
             "duplexd_frame_lag_seconds",
             "Frame arrival to applied (VAD run, events queued)",

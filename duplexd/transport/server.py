@@ -36,6 +36,7 @@ from duplexd.transport.control import LoadControl
 from duplexd.transport.datagram import DatagramEndpoint
 from duplexd.transport.http import REALTIME_PATH, STREAM_PATH, peer_ip, rounded, route
 from duplexd.transport.listener import Listener
+from duplexd.transport.looplag import LoopLag
 from duplexd.transport.metrics import Metrics
 from duplexd.transport.native import NativeCodec
 from duplexd.transport.protocol import Limits
@@ -113,6 +114,7 @@ class Server:
         )
         self.metrics = Metrics()
         self.control = LoadControl(self)
+        self.loop_lag = LoopLag(self.metrics.loop_lag.observe)
         self.underrun_closed_s = 0.0  # reply underrun of sessions that have ended
         self.starting = 0  # admitted handshakes not yet registered (they count against the limit)
         self._listener: Listener | None = None
@@ -156,6 +158,7 @@ class Server:
                     tg.create_task(self.vad.run()),
                     tg.create_task(self.asr.run()),
                     tg.create_task(self.control.run()),
+                    tg.create_task(self.loop_lag.run()),
                 ]
                 if self.dialog is not None and self.tts is not None:
                     workers += [tg.create_task(self.dialog.run()), tg.create_task(self.tts.run())]
@@ -230,6 +233,7 @@ class Server:
                 "pass_cost": {"fixed_s": round(self.asr.cost.fixed_s, 3), "per_audio_s": round(self.asr.cost.per_s, 4)},
                 "contested_choices": sum(len(c.ratios) > 1 for c in self.asr.schedule),
             },
+            "event_loop": self.loop_lag.summary(),
             "counters": dict(self.counters),
             "detached_sessions": sum(not c.attached for c in self.handles.values()),
             "outbound_bytes_max": max((c.outbound_bytes for c in self.handles.values() if c.attached), default=0),

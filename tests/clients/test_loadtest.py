@@ -135,6 +135,8 @@ KEYS = (
     "collapsed",
     "partial_word_latency_p90_s",
     "admission_trace",
+    "loop_lag_p99_ms",
+    "loop_lag_max_ms",
 )
 
 
@@ -157,6 +159,7 @@ async def test_loadtest_measures_what_each_user_got(make_server, clips, tmp_path
     assert result["frame_lag_p50_ms"] > 0 and 0 <= result["deadline_miss_ratio"] <= 1
     assert result["replies"] >= 1 and result["eos_to_first_audio_p50_s"] > 0  # the server answered
     assert result["collapsed"] == 0
+    assert 0 <= result["loop_lag_p99_ms"] <= result["loop_lag_max_ms"]  # (the server's event loop, from /healthz)
     out = tmp_path / "load.json"
     html = loadtest.write_report(result, out)
     assert json.loads(out.read_text())["sessions_admitted"] == 1
