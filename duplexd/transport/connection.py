@@ -135,7 +135,10 @@ class Connection:
     async def open(self, now: float) -> None:
         """A socket is attached, before the first message is read (the Realtime codec starts its session)."""
         try:
-            await self.codec.opening(now)
+            try:
+                await self.codec.opening(now)
+            except Overloaded as exc:
+                self._overloaded(exc)
         except Closing as closing:
             self._close_after(closing)
 
@@ -152,13 +155,17 @@ class Connection:
             except ProtocolError as exc:
                 self._on_protocol_error(exc)
             except Overloaded as exc:
-                self.ended = True
-                extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
-                self.codec.error(ErrorCode.OVERLOADED, str(exc), **extra)
-                raise Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
+                self._overloaded(exc)
         except Closing as closing:
             self._close_after(closing)
         return self.close is not None
+
+    def _overloaded(self, exc: Overloaded) -> None:
+        """The server is full (at `session.start`, or its workers' queues): say so, then close 1013."""
+        self.ended = True
+        extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
+        self.codec.error(ErrorCode.OVERLOADED, str(exc), **extra)
+        raise Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
 
     def timed_out(self, idle_s: float) -> None:
         """Nothing was received for `idle_s` (`security.idle_timeout_s`)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from duplexd.errors import ErrorCode, Overloaded
+from duplexd.errors import ErrorCode
 from duplexd.events import (
     ErrorRaised,
     Event,
@@ -42,7 +42,7 @@ from duplexd.streaming import conversation as cv
 from duplexd.transport import protocol
 from duplexd.transport import realtime as rt
 from duplexd.transport.connection import Connection
-from duplexd.transport.outbox import CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, Closing
+from duplexd.transport.outbox import CLOSE_POLICY, Closing
 from duplexd.transport.realtime_context import LlmContext
 from duplexd.transport.realtime_items import Items, render
 from duplexd.transport.realtime_oob import OutOfBand
@@ -90,13 +90,8 @@ class RealtimeCodec:
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     async def opening(self, now: float) -> None:
-        try:
-            await self.conn.start(protocol.SessionStart(version=1, sample_rate=rt.AUDIO_RATE, dialog=True))
-        except Overloaded as exc:
-            self.conn.ended = True
-            extra = {} if exc.retry_after_ms is None else {"retry_after_ms": exc.retry_after_ms}
-            self.error(ErrorCode.OVERLOADED, str(exc), **extra)
-            raise Closing(CLOSE_TRY_AGAIN_LATER, "overloaded") from None
+        # (a full server raises Overloaded: the connection answers it as it does for a native session.start)
+        await self.conn.start(protocol.SessionStart(version=1, sample_rate=rt.AUDIO_RATE, dialog=True))
         if self.conn.conversation is None:
             self._rt_error(rt.RealtimeError("server_error", "This server runs without a dialog model."))
             self.conn.ended = True

@@ -18,8 +18,9 @@ from duplexd.clients.clips import load
 from duplexd.config import ServerConfig
 from duplexd.transport.connection import Connection
 from duplexd.transport.native import NativeCodec
-from duplexd.transport.outbox import CLOSE_POLICY, CLOSE_PROTOCOL_ERROR, CLOSE_WILL_RESUME
+from duplexd.transport.outbox import CLOSE_POLICY, CLOSE_PROTOCOL_ERROR, CLOSE_TRY_AGAIN_LATER, CLOSE_WILL_RESUME
 from duplexd.transport.protocol import SessionResume, encode_audio_frame
+from duplexd.transport.realtime_session import RealtimeCodec
 from duplexd.transport.server import Server
 
 START = json.dumps({"type": "session.start", "version": 1, "sample_rate": 16000, "dialog": False})
@@ -147,3 +148,13 @@ async def test_an_idle_client_gets_an_error_then_a_close(server: Server) -> None
     (error,) = sent(conn)
     assert error["type"] == "error" and error["code"] == "idle_timeout"
     assert conn.close is not None and conn.close.code == CLOSE_POLICY and conn.ended
+
+
+async def test_a_realtime_session_on_a_full_server_gets_one_error_then_1013(server: Server) -> None:
+    server.draining = True  # (admits nobody, as a full server)
+    conn = Connection(server, RealtimeCodec, 100.0)
+    await conn.open(100.0)
+    (error,) = sent(conn)
+    assert error["type"] == "error" and error["error"]["code"] == "overloaded"
+    assert conn.close is not None and conn.close.code == CLOSE_TRY_AGAIN_LATER and conn.close.flush and conn.ended
+    assert not server.handles
