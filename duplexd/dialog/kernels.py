@@ -106,13 +106,6 @@ class KernelChoice:
 
     kernel: DecodeLinear
     step_ms: dict[str, dict[int, float]] = field(default_factory=dict)
-    invariant: dict[int, tuple[int, ...]] = field(default_factory=dict)  # largest tile -> sizes equal to it
-
-    def report(self) -> dict[str, object]:
-        return {
-            "decode_linear": self.kernel.name,
-            "step_ms": {k: {str(n): round(v, 3) for n, v in by_n.items()} for k, by_n in self.step_ms.items()},
-        }
 
 
 def step_ms(kernel: DecodeLinear, layers: Sequence[tuple[Tensor, Tensor | None, int]], rows: int) -> float:
@@ -139,7 +132,6 @@ def choose(layers: Sequence[tuple[Tensor, Tensor | None, int]]) -> KernelChoice:
     for largest in (16, 8, 4):
         sizes = tuple(s for s in TILE_SIZES if s <= largest)
         tiles = invariant_tiles(weights, sizes)
-        choice.invariant[largest] = tiles
         if tiles:
             options[DecodeLinear(tiles).name] = DecodeLinear(tiles)
     for name, kernel in options.items():
