@@ -41,6 +41,7 @@ from torch import Tensor
 
 from duplexd.config import DialogConfig
 from duplexd.dialog.attention import step_attention
+from duplexd.dialog.detok import ReplyText
 from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.guard import banned_tokens, reply_end
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
@@ -182,6 +183,7 @@ class _Session:
     answering: tuple[int, ...] = ()  # the user's words the reply answers (the guard's copy rule)
     replying: bool = False
     reply: list[int] = field(default_factory=list)
+    reply_text: ReplyText | None = None  # `reply` decoded, as far as it matches (see `_reply_text`)
     reply_start: int = 0  # token index of the first reply token
     p_end_of_turn: float | None = None
     served: int = 0  # step number when last given a prefill chunk (fairness)
@@ -649,16 +651,26 @@ class DialogEngine:
         if token in (self.format.end_of_turn_id, self.tokenizer.eos_id):
             self._finish_reply(session)
             return None
-        before = self.tokenizer.decode(session.reply)
-        keep = reply_end(before, self.tokenizer.decode([*session.reply, token]), session.sentence_cap)
+        text = self._reply_text(session)
+        before = text.text
+        keep = reply_end(before, text.peek(token), session.sentence_cap)
         if keep is not None and keep <= len(before):  # (the reply is over before this token)
             self._finish_reply(session)
             return None
         session.reply.append(token)
+        text.append(token)
         self._queue(session, [token])
         if keep is not None or len(session.reply) >= session.reply_cap:
             self._finish_reply(session)
         return token
+
+    def _reply_text(self, session: _Session) -> ReplyText:
+        """The reply's text, decoded incrementally (`dialog/detok.py`); rebuilt where the reply was cut or
+        forked since."""
+        text = session.reply_text
+        if text is None or text.tokens != session.reply:
+            text = session.reply_text = ReplyText(self.tokenizer.decode, session.reply)
+        return text
 
     def _choose(self, session: _Session, logits: Tensor) -> int:
         """The reply's next token: greedy, among those the repetition guard allows. This is the one place a
