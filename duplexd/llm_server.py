@@ -29,6 +29,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from duplexd.dialog.detok import ReplyText
 from duplexd.dialog.engine import DialogEngine
 from duplexd.errors import DuplexdError
 
@@ -342,18 +344,21 @@ _Event = _Delta | _Finished
 @dataclass(eq=False)
 class _Job:
     request: ChatRequest
-    events: asyncio.Queue[_Event]
+    events: asyncio.Queue[_Event]  # (put on the event loop only)
     sid: int | None = None
+    text: ReplyText | None = None  # the reply decoded so far (on the worker's thread)
     shown: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cancelled: bool = False
+    cancelled: bool = False  # (set on the loop, read by the thread)
     finished: bool = False
 
 
 class LlmService:
     """Every request's session in one engine, stepped on one thread: requests arriving together are
-    decoded together (one forward per step), as the voice server's sessions are.
+    decoded together (one forward per step), as the voice server's sessions are. Everything that touches
+    the engine (replaying a request's messages, the step, decoding the reply) runs on that thread, a
+    cycle at a time; the event loop only queues requests and takes their events.
 
     At most `engine.config.max_sessions` requests run at once; one more is refused at once (429), not
     queued behind the others."""
@@ -361,9 +366,13 @@ class LlmService:
     def __init__(self, engine: DialogEngine, model: str) -> None:
         self.engine = engine
         self.model = model
-        self._new: list[_Job] = []
-        self._jobs: list[_Job] = []  # with a session in the engine
+        self._running: set[_Job] = set()  # (the loop's) submitted, neither finished nor cancelled
+        self._lock = threading.Lock()
+        self._new: list[_Job] = []  # (under the lock) submitted, not yet taken by the thread
+        self._jobs: list[_Job] = []  # (the thread's) with a session in the engine
+        self._events: list[tuple[_Job, _Event]] = []  # (the thread's) to put on the loop after the cycle
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-llm")
         self.stats = {"requests": 0, "refused": 0, "cancelled": 0, "failed": 0}
 
@@ -373,7 +382,7 @@ class LlmService:
 
     def submit(self, request: ChatRequest) -> _Job:
         # (a cancelled request's session is closed before the next new one is opened: it does not count)
-        if len(self._new) + sum(not j.cancelled for j in self._jobs) >= self.engine.config.max_sessions:
+        if len(self._running) >= self.engine.config.max_sessions:
             self.stats["refused"] += 1
             raise ApiError(
                 429,
@@ -383,15 +392,18 @@ class LlmService:
             )
         # One delta per step at most, then the end: the queue never fills, whatever the client reads.
         job = _Job(request, asyncio.Queue(maxsize=request.max_tokens + 2))
-        self._new.append(job)
+        with self._lock:
+            self._new.append(job)
+        self._running.add(job)
         self.stats["requests"] += 1
         self._wake.set()
         return job
 
     def cancel(self, job: _Job) -> None:
         """The client is gone: free the request's session before its next step."""
-        if not (job.finished or job.cancelled):
+        if job in self._running:
             job.cancelled = True
+            self._running.discard(job)
             self.stats["cancelled"] += 1
             self._wake.set()
 
@@ -400,33 +412,58 @@ class LlmService:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
                 while True:
-                    self._apply()
-                    if not self.engine.busy():
-                        break
                     try:
-                        await loop.run_in_executor(self._executor, self.engine.step)
+                        more = await loop.run_in_executor(self._executor, self._cycle)
                     except Exception:
                         log.exception("dialog step failed: failing every request in it")
-                        for job in list(self._jobs):
-                            self._finish(job, "error")
                         await asyncio.sleep(0.1)
                         continue
-                    self._dispatch()
+                    if not more:
+                        break
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)  # (a step in flight ends on its own)
 
+    def _deliver(self, events: list[tuple[_Job, _Event]]) -> None:
+        for job, event in events:
+            job.events.put_nowait(event)
+            if isinstance(event, _Finished):
+                job.finished = True
+                self._running.discard(job)
+
+    # -- on the worker's thread -------------------------------------------------------------------
+
+    def _cycle(self) -> bool:
+        """Start new requests, free cancelled ones, then one step and its text; False: nothing to step."""
+        try:
+            self._apply()
+            if not self.engine.busy():
+                return False
+            try:
+                self.engine.step()
+            except Exception:
+                for job in list(self._jobs):
+                    self._finish(job, "error")
+                raise
+            self._dispatch()
+            return True
+        finally:
+            events, self._events = self._events, []
+            if events:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._deliver, events)
+
     def _apply(self) -> None:
-        """Replay new requests into sessions; close those of cancelled ones (on the loop: tokenizing and
-        queueing only, no model call)."""
+        """Replay new requests into sessions; close those of cancelled ones."""
         for job in [j for j in self._jobs if j.cancelled]:
             self._finish(job, "error")
-        new, self._new = self._new, []
+        with self._lock:
+            new, self._new = self._new, []
         for job in new:
             if job.cancelled:
                 continue
@@ -434,8 +471,7 @@ class LlmService:
                 job.sid = self._replay(job.request)
             except Exception:  # (a slot is free: `submit` counted them; anything else is the engine's bug)
                 log.exception("could not start a session for a request")
-                job.finished = True
-                job.events.put_nowait(_Finished("error"))
+                self._events.append((job, _Finished("error")))
                 continue
             self._jobs.append(job)
 
@@ -472,11 +508,15 @@ class LlmService:
                 self._send(job, tokens, final=False)
 
     def _send(self, job: _Job, tokens: list[int], *, final: bool) -> None:
-        text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        if job.text is None:
+            decode = self.engine.tokenizer.decode
+            job.text = ReplyText(lambda ids: decode(ids, skip_special_tokens=True))
+        job.text.extend(tokens[len(job.text) :])
+        text = job.text.text
         if not final and text.endswith("\ufffd"):  # a character's bytes span tokens: wait for the rest
             return
         if len(text) > len(job.shown):
-            job.events.put_nowait(_Delta(text[len(job.shown) :]))
+            self._events.append((job, _Delta(text[len(job.shown) :])))
             job.shown = text
         job.completion_tokens = len(tokens)
 
@@ -486,10 +526,9 @@ class LlmService:
             if not job.prompt_tokens:
                 job.prompt_tokens = self.engine.tokens_seen(job.sid)
             self.engine.close(job.sid)
-        job.finished = True
         if reason == "error":
             self.stats["failed"] += not job.cancelled
-        job.events.put_nowait(_Finished(reason, job.prompt_tokens, job.completion_tokens))
+        self._events.append((job, _Finished(reason, job.prompt_tokens, job.completion_tokens)))
 
 
 # --- the HTTP shell --------------------------------------------------------------------------------------

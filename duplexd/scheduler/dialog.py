@@ -1,21 +1,25 @@
-"""The LLM worker: one task owns the dialog engine; its steps run on one thread.
+"""The LLM worker: one task owns the dialog engine; everything that touches it runs on one thread.
 
-The engine is not thread-safe, so sessions never call it directly: they queue commands, which the worker
-applies between steps (on the event loop, where they only tokenize and edit lists), then it runs the next
-step on its thread and hands each session its new reply text and P(end of turn).
+The engine is not thread-safe, so sessions never call it directly: they queue commands. The worker's
+thread applies them between steps (tokenizing, forking a KV slot, cutting a window: none of it on the
+event loop), runs the next step, decodes the new reply text incrementally (`dialog/detok.py`) and hands
+each session its text and P(end of turn) back on the loop.
 
 Speculative listening lives here too: `DraftReply` forks the conversation into a draft (a low-priority
 engine session, see `dialog/speculation.py`); `StartReply` adopts the draft made for exactly the
 conversation's state, or starts the reply from scratch on a miss. A hit's tokens go out as the command
-arrives, not after the step in flight (often the draft's own next token): the worker keeps, between
-steps, each conversation's `state_key` and each draft's tokens, so it can tell a hit without the engine.
+arrives, not after the step in flight (often the draft's own next token): after each step the thread
+publishes, for each conversation between replies, the text of the draft made for its state (`_Ready`), so
+the loop can tell a hit without the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +28,7 @@ from typing import Protocol
 
 from duplexd.commands import AppendUserText, DraftReply, InterruptReply, ReplaceContext, StartReply
 from duplexd.config import SpeculationConfig
+from duplexd.dialog.detok import ReplyText
 from duplexd.dialog.engine import Priority
 from duplexd.dialog.kv_window import PoolFull
 from duplexd.dialog.speculation import Draft, HypothesisPool
@@ -139,12 +144,31 @@ class _Entry:
     reply: int | None = None  # the reply being generated
     last_reply: int | None = None  # the latest reply started (its audio may play on after generation)
     reported: int = 0  # reply tokens handed to the client
+    text: ReplyText | None = None  # the reply being generated, decoded as far as it was reported
     version: int = 0  # the last AppendUserText applied
     p_version: int = -1  # the version whose P(end of turn) was reported
+    applied: int = 0  # commands of this conversation applied (`_Ready`)
     drafts_made: int = 0  # for the turn in progress
     drafts_shown: set[int] = field(default_factory=set)  # drafts whose text went to `on_draft`
-    key: int | None = None  # the engine's state_key for it while not replying, as of the last dispatch
-    early: tuple[int, int] | None = None  # (reply, tokens) handed to the client before the reply started
+
+
+@dataclass(slots=True)
+class _DraftText:
+    """A draft's reply text through each of its tokens (appended to, never changed)."""
+
+    text: ReplyText
+    texts: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """A conversation between replies with a draft made for exactly its state, as of the last dispatch:
+    what `_early_reply` reads on the event loop. `applied`: the conversation's commands applied by then
+    (a command queued since may change the state); `texts[:n]`: the draft's reply so far."""
+
+    applied: int
+    texts: list[str]
+    n: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,12 +187,24 @@ class _Close:
 class _ForSession:
     sid: int
     command: DialogCommand
+    early: int = 0  # StartReply: reply tokens already handed to the client (`_early_reply`)
 
 
 _Queued = _Open | _Close | _ForSession
 
 
+class _Cycle(enum.Enum):
+    STEPPED = enum.auto()  # the engine stepped: there may be more to do
+    IDLE = enum.auto()  # nothing to step
+    WAITING = enum.auto()  # only drafts to step, and they wait for the cores (`yield_to`)
+
+
 class DialogWorker:
+    """Sessions call `open`, `submit` and `close` on the event loop; everything that touches the engine
+    (applying commands: tokenizing, forking a KV slot, cutting windows; the step; reading the results and
+    decoding them) runs on the worker's one thread, a cycle at a time (`_cycle`). Clients' callbacks come
+    back to the loop (`_deliver`), never for a conversation already closed."""
+
     def __init__(
         self,
         engine: LlmEngine,
@@ -184,31 +220,55 @@ class DialogWorker:
         recognizer pass, speech synthesis for a reply); drafts wait for it to finish. `head_start`: True
         while that work is only recognizer passes, when drafts short of `speculation.head_start_tokens`
         reply tokens may still step. `max_reply_tokens`, `max_reply_sentences`: the conversations' reply
-        limits (None: the engine's; servers that share one engine each keep their own)."""
+        limits (None: the engine's; servers that share one engine each keep their own). Both callables are
+        read on the event loop."""
         self.engine = engine
         self._system_prompt = system_prompt  # None: the engine's own
         self._max_reply_tokens = max_reply_tokens
         self._max_reply_sentences = max_reply_sentences
         self.speculation = speculation or SpeculationConfig()
-        self._pool = HypothesisPool(self.speculation.drafts_per_session, self.speculation.max_drafts)
-        self.stats = SpeculationStats()
+        self.stats = SpeculationStats()  # (written on the worker's thread)
         self._yield_to = yield_to
         self._head_start = head_start
-        self._entries: dict[int, _Entry] = {}
-        self._commands: deque[_Queued] = deque()
-        self._draft_tokens: dict[int, list[int]] = {}  # draft sid -> its reply tokens, as of the last step
         self._max_commands = max_commands
-        self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-llm")
+        # The event loop's side.
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._clients: dict[int, DialogClient] = {}  # open conversations
+        self._queued: dict[int, int] = {}  # commands queued per conversation, ever (`_Ready.applied`)
+        self._cycling = False
+        # Between the two: the commands (under the lock), and what `_early_reply` reads.
+        self._lock = threading.Lock()
+        self._commands: deque[_Queued] = deque()
+        self._ready: dict[int, _Ready] = {}  # replaced whole on each dispatch
+        # The worker thread's side.
+        self._pool = HypothesisPool(self.speculation.drafts_per_session, self.speculation.max_drafts)
+        self._entries: dict[int, _Entry] = {}
+        self._draft_texts: dict[int, _DraftText] = {}  # draft sid -> its reply text, as of the last step
+        self._events: list[tuple[int | None, Callable[..., None], tuple[object, ...]]] = []
 
     @property
     def name(self) -> str:
         return str(self.engine.config.model)
 
-    def _queue(self, item: _Queued) -> None:
-        if len(self._commands) >= self._max_commands:
-            raise Overloaded("dialog command queue is full")
-        self._commands.append(item)
+    @property
+    def pending(self) -> bool:
+        """Commands queued, or a cycle of the worker in flight."""
+        return self._cycling or bool(self._commands)
+
+    # -- the event loop's side --------------------------------------------------------------------
+
+    def _queue(self, item: _Queued, *, first: bool = False) -> None:
+        with self._lock:
+            if len(self._commands) >= self._max_commands:
+                raise Overloaded("dialog command queue is full")
+            if first:
+                self._commands.appendleft(item)
+            else:
+                self._commands.append(item)
+        if isinstance(item, _ForSession):
+            self._queued[item.sid] = self._queued.get(item.sid, 0) + 1
         self._wake.set()
 
     async def open(self, client: DialogClient, system_prompt: str | None = None) -> int:
@@ -226,57 +286,140 @@ class DialogWorker:
     def _early_reply(self, sid: int, reply: int) -> bool:
         """The turn ended: if a draft made for exactly this state has tokens, hand them to the client now
         (a step may be in flight for a while) and queue the `StartReply` first, so that the draft is
-        adopted before any other command could evict it. They are the tokens the reply will have
-        whatever happens: a draft with an equal key is the reply, token for token."""
-        entry = self._entries.get(sid)
-        if entry is None or entry.key is None or entry.reply is not None or not self.speculation.enabled:
+        adopted before any later command could evict it. They are the tokens the reply will have
+        whatever happens: a draft with an equal key is the reply, token for token (and were it evicted
+        first, the reply decoded from scratch would give them again)."""
+        ready = self._ready.get(sid)
+        if ready is None or not self.speculation.enabled or sid not in self._clients:
             return False
-        if any(isinstance(c, _ForSession) and c.sid == sid for c in self._commands):
-            return False  # the key is about to change
-        draft = next((d for d in self._pool.drafts(sid) if d.key == entry.key), None)
-        tokens = self._draft_tokens.get(draft.sid) if draft is not None else None
-        if not tokens:
-            return False
+        if ready.applied != self._queued.get(sid, 0):
+            return False  # a command since may change the state
         if len(self._commands) >= self._max_commands:
             raise Overloaded("dialog command queue is full")
-        self._commands.appendleft(_ForSession(sid, StartReply(reply)))
-        self._wake.set()
-        asyncio.get_running_loop().call_soon(self._report_early, sid, reply, tokens)
+        texts = ready.texts[: ready.n]
+        # (scheduled before the command is queued: anything the thread hands out for this reply comes after)
+        asyncio.get_running_loop().call_soon(self._report_early, sid, reply, texts)
+        self._queue(_ForSession(sid, StartReply(reply), early=len(texts)), first=True)
         return True
 
-    def _report_early(self, sid: int, reply: int, tokens: list[int]) -> None:
-        entry = self._entries.get(sid)
-        if entry is None or entry.last_reply == reply:  # gone, or started already: reported from there
-            return
-        entry.early = (reply, len(tokens))
-        self.stats.early += 1
-        entry.client.on_reply(reply, self._texts(tokens), False)
+    def _report_early(self, sid: int, reply: int, texts: list[str]) -> None:
+        client = self._clients.get(sid)
+        if client is not None:
+            client.on_reply(reply, texts, False)
 
     def close(self, sid: int) -> None:
+        self._clients.pop(sid, None)  # (no callback reaches it from now on)
+        self._queued.pop(sid, None)
         self._queue(_Close(sid))
 
-    def _apply(self) -> None:
+    def _deliver(self, events: list[tuple[int | None, Callable[..., None], tuple[object, ...]]]) -> None:
+        for sid, callback, args in events:
+            if sid is None or sid in self._clients:
+                callback(*args)
+
+    def _opened(self, done: asyncio.Future[int], client: DialogClient, sid: int | None, exc: Exception | None) -> None:
+        if exc is not None:
+            if not done.done():
+                done.set_exception(exc)
+        elif done.done():  # (the caller gave up waiting)
+            self._queue(_Close(sid))  # type: ignore[arg-type]
+        else:
+            self._clients[sid] = client  # type: ignore[index]
+            done.set_result(sid)  # type: ignore[arg-type]
+
+    async def run(self) -> None:
+        loop = self._loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                drafts_wait = self._yield_to is not None and self._yield_to()
+                head_start = self._head_start is not None and self._head_start()
+                self._cycling = True
+                try:
+                    cycle = await loop.run_in_executor(self._executor, self._cycle, drafts_wait, head_start)
+                except Exception:
+                    log.exception("dialog step failed")
+                    await asyncio.sleep(0.1)
+                    continue
+                finally:
+                    self._cycling = False
+                if cycle is _Cycle.IDLE:
+                    break
+                if cycle is _Cycle.WAITING:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), _YIELD_POLL_S)
+                    self._wake.clear()
+
+    def close_worker(self) -> None:
+        """Stop: wait out a cycle in flight, then free every conversation's KV slot (the engine may outlive
+        this worker, as it does when one process runs servers one after another)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for sid in self._entries:
+            self._drop(self._pool.clear(sid))
+            self.engine.close(sid)
+        self._entries.clear()
+        self._commands.clear()
+        self._clients.clear()
+
+    # -- the worker thread's side -----------------------------------------------------------------
+
+    def _cycle(self, drafts_wait: bool, head_start: bool) -> _Cycle:
+        """Apply what was queued and hand out its results; then one engine step, unless there is nothing
+        to step, or only drafts while `drafts_wait` (and no head start is due); then hand out the step's."""
         engine = self.engine
-        while self._commands:
-            match self._commands.popleft():
+        try:
+            self._apply()
+            self._dispatch()
+        except Exception:  # a bug in one session's handling must not stop every conversation
+            log.exception("dialog worker: applying commands failed")
+        finally:
+            self._flush()
+        if not engine.busy(drafts=False):
+            if not engine.busy():
+                return _Cycle.IDLE
+            if drafts_wait and not (head_start and self._head_start_due()):
+                return _Cycle.WAITING
+        engine.step()
+        try:
+            self._dispatch()
+        except Exception:
+            log.exception("dialog worker: handing out a step's results failed")
+        finally:
+            self._flush()
+        return _Cycle.STEPPED
+
+    def _emit(self, sid: int | None, callback: Callable[..., None], *args: object) -> None:
+        self._events.append((sid, callback, args))
+
+    def _flush(self) -> None:
+        events, self._events = self._events, []
+        if events:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _apply(self) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, deque()
+        for item in commands:
+            match item:
                 case _Open(client=client, done=done, system_prompt=prompt):
-                    if done.cancelled():
-                        continue
                     try:
                         sid = self._open_session(prompt)
                     except Exception as exc:  # PoolFull, or a broken engine
-                        done.set_exception(exc)
+                        self._emit(None, self._opened, done, client, None, exc)
                         continue
                     self._entries[sid] = _Entry(client)
-                    done.set_result(sid)
+                    self._emit(None, self._opened, done, client, sid, None)
                 case _Close(sid=sid):
                     if self._entries.pop(sid, None) is not None:
                         self._drop(self._pool.clear(sid))
-                        engine.close(sid)
-                case _ForSession(sid=sid, command=command):
+                        self.engine.close(sid)
+                case _ForSession(sid=sid, command=command, early=early):
                     entry = self._entries.get(sid)
                     if entry is not None:
-                        self._command(sid, entry, command)
+                        entry.applied += 1
+                        self._command(sid, entry, command, early)
 
     def _open_session(self, system_prompt: str | None) -> int:
         while True:
@@ -292,7 +435,7 @@ class DialogWorker:
                     raise
                 self._drop([oldest])
 
-    def _command(self, sid: int, entry: _Entry, command: DialogCommand) -> None:
+    def _command(self, sid: int, entry: _Entry, command: DialogCommand, early: int) -> None:
         engine = self.engine
         match command:
             case AppendUserText(text=text, version=version):
@@ -304,7 +447,7 @@ class DialogWorker:
                 if self.speculation.enabled and version == entry.version and entry.reply is None:
                     self._draft(sid, entry, text)
             case StartReply(reply=reply):
-                self._start_reply(sid, entry, reply)
+                self._start_reply(sid, entry, reply, early)
             case InterruptReply(reply=reply, heard_tokens=heard):
                 if entry.last_reply == reply:
                     engine.interrupt(sid, heard)  # also cuts a reply whose generation has finished
@@ -338,7 +481,7 @@ class DialogWorker:
         self.stats.drafts += 1
         entry.drafts_made += 1
 
-    def _start_reply(self, sid: int, entry: _Entry, reply: int) -> None:
+    def _start_reply(self, sid: int, entry: _Entry, reply: int, early: int) -> None:
         engine = self.engine
         hit = self._pool.take(sid, engine.state_key(sid))
         if hit is not None and engine.steps_to_reply(hit.sid) > engine.steps_to_reply(sid):
@@ -360,13 +503,13 @@ class DialogWorker:
             engine.start_reply(sid)
         self.stats.turns += 1
         self.stats.drafted_turns += entry.drafts_made > 0
-        entry.client.on_speculation(reply, entry.drafts_made, hit is not None, brought)
+        self.stats.early += early > 0
+        self._emit(sid, entry.client.on_speculation, reply, entry.drafts_made, hit is not None, brought)
         entry.drafts_made = 0
         entry.drafts_shown.clear()
-        entry.reply, entry.last_reply, entry.reported = reply, reply, 0
-        if entry.early is not None and entry.early[0] == reply:
-            entry.reported = entry.early[1]  # went out before the reply started (`_early_reply`)
-        entry.early = None
+        entry.reply, entry.last_reply = reply, reply
+        entry.reported = early  # (went out before the reply started: `_early_reply`)
+        entry.text = ReplyText(engine.tokenizer.decode)
 
     def _drop_behind(self, sid: int) -> None:
         """Drafts for the words the conversation now has, but that have yet to take in some of them: the
@@ -382,91 +525,64 @@ class DialogWorker:
             self.stats.behind += 1
         self._drop(behind)
 
-    def _texts(self, tokens: list[int], start: int = 0) -> list[str]:
-        """`texts[i]`: the reply decoded through its token `start + i` (what clients are handed)."""
-        decode = self.engine.tokenizer.decode
-        return [decode(tokens[:k]) for k in range(start + 1, len(tokens) + 1)]
-
     def _drop(self, drafts: list[Draft]) -> None:
         for d in drafts:
-            self._draft_tokens.pop(d.sid, None)
+            self._draft_texts.pop(d.sid, None)
             wasted = len(self.engine.reply_tokens(d.sid))
             self.stats.wasted_tokens += wasted
             self.stats.draft_tokens += wasted
             self.engine.close(d.sid)
 
+    def _draft_text(self, sid: int) -> _DraftText:
+        """A draft's text through each of its reply tokens so far."""
+        draft = self._draft_texts.get(sid)
+        if draft is None:
+            draft = self._draft_texts[sid] = _DraftText(ReplyText(self.engine.tokenizer.decode))
+        tokens = self.engine.reply_tokens(sid)
+        draft.texts.extend(draft.text.extend(tokens[len(draft.text) :]))
+        return draft
+
     def _dispatch(self) -> None:
         engine = self.engine
+        ready: dict[int, _Ready] = {}
         for sid, entry in self._entries.items():
-            # (before any callback: a client may end its turn from one, and `_early_reply` reads this)
-            entry.key = engine.state_key(sid) if entry.reply is None else None
+            key = engine.state_key(sid) if entry.reply is None else None
             if entry.reply is None:
                 self._drop_behind(sid)
             drafts = self._pool.drafts(sid)
             entry.drafts_shown.intersection_update(d.sid for d in drafts)  # (forget drafts gone)
             for d in drafts:
-                tokens = engine.reply_tokens(d.sid)
-                self._draft_tokens[d.sid] = tokens
-                ready = len(tokens) >= min(_DRAFT_SHOWN_AT, self.speculation.draft_tokens) or engine.parked(d.sid)
-                if d.sid not in entry.drafts_shown and tokens and ready:
+                draft = self._draft_text(d.sid)
+                n = len(draft.texts)
+                if d.key == key and n:
+                    ready[sid] = _Ready(entry.applied, draft.texts, n)
+                shown = n >= min(_DRAFT_SHOWN_AT, self.speculation.draft_tokens) or engine.parked(d.sid)
+                if d.sid not in entry.drafts_shown and n and shown:
                     entry.drafts_shown.add(d.sid)
-                    entry.client.on_draft(self._texts(tokens))
+                    self._emit(sid, entry.client.on_draft, draft.texts[:n])
             if entry.reply is not None:
+                assert entry.text is not None
                 tokens = engine.reply_tokens(sid)
                 done = not engine.replying(sid)
                 if len(tokens) > entry.reported or done:
-                    texts = self._texts(tokens, entry.reported)
-                    entry.reported = len(tokens)
+                    start = len(entry.text)
+                    texts = entry.text.extend(tokens[start:])[max(0, entry.reported - start) :]
+                    entry.reported = max(entry.reported, len(tokens))
                     reply = entry.reply
                     if done:
                         entry.reply = None
-                    entry.client.on_reply(reply, texts, done)
+                    self._emit(sid, entry.client.on_reply, reply, texts, done)
             if entry.p_version != entry.version:
                 p = engine.p_end_of_turn(sid)
                 if p is not None:
                     entry.p_version = entry.version
-                    entry.client.on_p_end(p, entry.version)
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while True:
-                try:
-                    self._apply()
-                    self._dispatch()
-                except Exception:  # a bug in one session's handling must not stop every conversation
-                    log.exception("dialog worker: applying commands failed")
-                if not self.engine.busy(drafts=False):
-                    if not self.engine.busy():
-                        break
-                    if self._yield_to is not None and self._yield_to() and not self._head_start_due():
-                        # only drafts to step: they wait
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._wake.wait(), _YIELD_POLL_S)
-                        self._wake.clear()
-                        continue
-                try:
-                    await loop.run_in_executor(self._executor, self.engine.step)
-                except Exception:
-                    log.exception("dialog step failed")
-                    await asyncio.sleep(0.1)
+                    self._emit(sid, entry.client.on_p_end, p, entry.version)
+        self._ready = ready  # (before the callbacks run: a client may end its turn from one)
 
     def _head_start_due(self) -> bool:
         """A draft still short of its head start (see `SpeculationConfig.head_start_tokens`) may step."""
         want = self.speculation.head_start_tokens
-        if not want or self._head_start is None or not self._head_start():
+        if not want:
             return False
         engine = self.engine
         return any(len(engine.reply_tokens(d.sid)) < want and not engine.parked(d.sid) for d in self._pool)
-
-    def close_worker(self) -> None:
-        """Stop: wait out a step in flight, then free every conversation's KV slot (the engine may outlive
-        this worker, as it does when one process runs servers one after another)."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        for sid in self._entries:
-            self._drop(self._pool.clear(sid))
-            self.engine.close(sid)
-        self._entries.clear()
-        self._commands.clear()

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from duplexd.commands import AppendUserText, DraftReply, StartReply
+from duplexd.commands import AppendUserText, DraftReply, InterruptReply, StartReply
 from duplexd.config import SpeculationConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig
 from duplexd.scheduler.dialog import DialogWorker
@@ -61,7 +63,7 @@ async def settle(worker: DialogWorker, *, drafts: bool = True) -> None:
     20 ms apart, with no step in between."""
     engine, seen = worker.engine, None
     for _ in range(3000):
-        if not worker._commands and not engine.busy(drafts=drafts):
+        if not worker.pending and not engine.busy(drafts=drafts):
             if seen == engine.stats["steps"]:
                 return
             seen = engine.stats["steps"]
@@ -247,3 +249,49 @@ async def test_a_head_start_runs_a_draft_beside_a_recognizer_pass_up_to_its_firs
         assert len(engine.reply_tokens(draft.sid)) == 6
         worker.close(sid)
         await settle(worker)
+
+
+class _ThreadRecorder:
+    """The engine, recording every method the worker calls on the event loop's thread (not the test's own
+    reads: `settle` polls the engine from the loop)."""
+
+    def __init__(self, engine: DialogEngine) -> None:
+        self._engine = engine
+        self.on_loop: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._engine, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: object, **kwargs: object) -> object:
+            caller = sys._getframe(1).f_globals.get("__name__")
+            if threading.current_thread() is threading.main_thread() and caller == DialogWorker.__module__:
+                self.on_loop.append(name)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+async def test_no_engine_call_runs_on_the_event_loop(engine) -> None:
+    """Opening, appending words, drafting (a fork: a KV copy), adopting, reading replies, interrupting and
+    closing all run on the worker's thread: the event loop only queues commands and takes callbacks."""
+    recorder = _ThreadRecorder(engine)
+    worker = DialogWorker(recorder, speculation=SpeculationConfig(draft_tokens=6))  # type: ignore[arg-type]
+    async with running(worker):
+        assert threading.current_thread() is threading.main_thread()  # (the loop's thread)
+        client = Client()
+        sid = await asked(worker, client)
+        worker.submit(sid, DraftReply(" Please.", 1))
+        worker.submit(sid, DraftReply("", 1))
+        await settle(worker)
+        worker.submit(sid, StartReply(1))  # (a hit: its tokens go out at once)
+        await asyncio.wait_for(client.done.wait(), 120)
+        worker.submit(sid, InterruptReply(1, 2))
+        worker.submit(sid, AppendUserText("And of Spain?", 2))
+        await settle(worker, drafts=False)
+        worker.close(sid)
+        await settle(worker)
+        assert worker.stats.hits == 1
+    assert recorder.on_loop == []
+    assert engine.sessions == 0
