@@ -177,7 +177,9 @@ def run(data: Path | None, config: Path | None, quick: bool) -> dict[str, Any]:
             "echo": sum(r.scenario == "echo" for r in runs),
             "talk_over": len(talk_over),
         },
-        "server": {k: server.get(k) for k in ("asr", "llm", "tts", "models")},
+        "llm_steps": server.get("llm_steps"),  # engine step p50 alone vs beside another model's work
+        "threads": server.get("threads"),
+        "server": {k: server.get(k) for k in ("asr", "llm", "tts", "models", "llm_engine")},
         "runs": [asdict(r) for r in runs],
     }
 
@@ -202,6 +204,15 @@ def table(result: dict[str, Any]) -> str:
         f"talk-overs that interrupted: {result['barge_in_rate']:.1%} of {c['talk_over']}, "
         f"p50 {s(result['barge_in_latency_p50_s'])} after the talk-over began",
     ]
+    steps, threads = result.get("llm_steps"), result.get("threads")
+    if steps:
+        lines.append(
+            f"LLM step p50: {steps['alone_p50_ms']} ms alone ({steps['alone_n']} steps), "
+            f"{steps['beside_other_model_p50_ms']} ms beside a recognizer pass or synthesis "
+            f"({steps['beside_other_model_n']} steps): x{steps['ratio']}"
+        )
+    if threads:
+        lines.append("threads: " + ", ".join(f"{k} {v}" for k, v in threads.items()))
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -215,13 +216,15 @@ class DialogWorker:
         head_start: Callable[[], bool] | None = None,
         max_reply_tokens: int | None = None,
         max_reply_sentences: int | None = None,
+        contended: Callable[[], bool] | None = None,
     ) -> None:
         """`yield_to`: True while other work that must not be slowed down runs on this machine's cores (a
         recognizer pass, speech synthesis for a reply); drafts wait for it to finish. `head_start`: True
         while that work is only recognizer passes, when drafts short of `speculation.head_start_tokens`
         reply tokens may still step. `max_reply_tokens`, `max_reply_sentences`: the conversations' reply
-        limits (None: the engine's; servers that share one engine each keep their own). Both callables are
-        read on the event loop."""
+        limits (None: the engine's; servers that share one engine each keep their own). `contended`: True
+        while another model runs on these cores; steps are timed apart by it (`step_times`). The callables
+        are read on the event loop."""
         self.engine = engine
         self._system_prompt = system_prompt  # None: the engine's own
         self._max_reply_tokens = max_reply_tokens
@@ -230,6 +233,8 @@ class DialogWorker:
         self.stats = SpeculationStats()  # (written on the worker's thread)
         self._yield_to = yield_to
         self._head_start = head_start
+        self._contended = contended
+        self._step_s: dict[bool, deque[float]] = {False: deque(maxlen=512), True: deque(maxlen=512)}
         self._max_commands = max_commands
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-llm")
         # The event loop's side.
@@ -251,6 +256,18 @@ class DialogWorker:
     @property
     def name(self) -> str:
         return str(self.engine.config.model)
+
+    def step_times(self) -> dict[str, float | int | None]:
+        """Recent engine steps' median time, alone on the cores and beside another model's work
+        (`contended`), and their ratio: what thread contention costs the LLM in this server."""
+        out: dict[str, float | int | None] = {}
+        for name, beside in (("alone", False), ("beside_other_model", True)):
+            times = sorted(self._step_s[beside])
+            out[f"{name}_p50_ms"] = round(1000 * times[len(times) // 2], 2) if times else None
+            out[f"{name}_n"] = len(times)
+        alone, beside = out["alone_p50_ms"], out["beside_other_model_p50_ms"]
+        out["ratio"] = round(beside / alone, 2) if alone and beside else None  # type: ignore[operator]
+        return out
 
     @property
     def pending(self) -> bool:
@@ -335,15 +352,19 @@ class DialogWorker:
             while True:
                 drafts_wait = self._yield_to is not None and self._yield_to()
                 head_start = self._head_start is not None and self._head_start()
+                contended = self._contended is not None and self._contended()
                 self._cycling = True
                 try:
-                    cycle = await loop.run_in_executor(self._executor, self._cycle, drafts_wait, head_start)
+                    cycle, step_s = await loop.run_in_executor(self._executor, self._cycle, drafts_wait, head_start)
                 except Exception:
                     log.exception("dialog step failed")
                     await asyncio.sleep(0.1)
                     continue
                 finally:
                     self._cycling = False
+                if step_s is not None:
+                    contended = contended or (self._contended is not None and self._contended())
+                    self._step_s[contended].append(step_s)
                 if cycle is _Cycle.IDLE:
                     break
                 if cycle is _Cycle.WAITING:
@@ -364,9 +385,10 @@ class DialogWorker:
 
     # -- the worker thread's side -----------------------------------------------------------------
 
-    def _cycle(self, drafts_wait: bool, head_start: bool) -> _Cycle:
+    def _cycle(self, drafts_wait: bool, head_start: bool) -> tuple[_Cycle, float | None]:
         """Apply what was queued and hand out its results; then one engine step, unless there is nothing
-        to step, or only drafts while `drafts_wait` (and no head start is due); then hand out the step's."""
+        to step, or only drafts while `drafts_wait` (and no head start is due); then hand out the step's.
+        Returns what happened, and how long the step took."""
         engine = self.engine
         try:
             self._apply()
@@ -377,17 +399,19 @@ class DialogWorker:
             self._flush()
         if not engine.busy(drafts=False):
             if not engine.busy():
-                return _Cycle.IDLE
+                return _Cycle.IDLE, None
             if drafts_wait and not (head_start and self._head_start_due()):
-                return _Cycle.WAITING
+                return _Cycle.WAITING, None
+        t0 = time.perf_counter()
         engine.step()
+        step_s = time.perf_counter() - t0
         try:
             self._dispatch()
         except Exception:
             log.exception("dialog worker: handing out a step's results failed")
         finally:
             self._flush()
-        return _Cycle.STEPPED
+        return _Cycle.STEPPED, step_s
 
     def _emit(self, sid: int | None, callback: Callable[..., None], *args: object) -> None:
         self._events.append((sid, callback, args))

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import math
+import os
 import socket
 import time
 from collections import Counter
@@ -78,6 +79,7 @@ class Server:
                 head_start=self._no_reply_synthesis,
                 max_reply_tokens=config.dialog.max_reply_tokens,
                 max_reply_sentences=config.dialog.max_reply_sentences,
+                contended=self._others_busy,
             )
             if engines.dialog and engines.tts
             else None
@@ -207,6 +209,17 @@ class Server:
         """No reply is being synthesized (a draft's head start may run beside a recognizer pass)."""
         return not (self.tts is not None and self.tts.busy)
 
+    def threads(self) -> dict[str, object]:
+        """Each model's compute threads, and how idle OpenMP threads wait (they share the cores)."""
+        local_llm = self.dialog is not None and self.config.dialog.backend == "local"
+        return {
+            "dialog": _torch_threads() if local_llm else None,
+            "asr": self.config.asr.cpu_threads or os.cpu_count(),
+            "tts": None if self.tts is None else self.config.tts.threads,
+            "vad": 1,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        }
+
     def models(self) -> dict[str, str | None]:
         return {
             "vad": "silero-vad (onnx)",
@@ -246,6 +259,8 @@ class Server:
             },
             "llm": None if self.dialog is None else rounded(self.dialog.engine.stats),
             "llm_engine": None if self.dialog is None else self.dialog.engine.tuning,
+            "llm_steps": None if self.dialog is None else self.dialog.step_times(),
+            "threads": self.threads(),
             "speculation": None if self.dialog is None else self.dialog.stats.as_dict(),
             "tts": None
             if self.tts is None
@@ -293,3 +308,9 @@ class Server:
                 ErrorCode.RESUME_REFUSED, "no such session to resume (ended, expired, or not yours)", fatal=True
             )
         return conn
+
+
+def _torch_threads() -> int:
+    import torch  # (loaded already: the local dialog engine runs on it)
+
+    return torch.get_num_threads()

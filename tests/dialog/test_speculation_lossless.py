@@ -295,3 +295,27 @@ async def test_no_engine_call_runs_on_the_event_loop(engine) -> None:
         assert worker.stats.hits == 1
     assert recorder.on_loop == []
     assert engine.sessions == 0
+
+
+async def test_steps_are_timed_apart_by_what_else_runs_on_the_cores(engine) -> None:
+    """`step_times`: steps taken while another model works (`contended`) are counted apart from those
+    alone, so the voice benchmark can show what contention costs the LLM."""
+    busy = False
+    worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False), contended=lambda: busy)
+    async with running(worker):
+        client = Client()
+        sid = await asked(worker, client)
+        worker.submit(sid, StartReply(1))
+        await asyncio.wait_for(client.done.wait(), 120)
+        alone = worker.step_times()
+        assert alone["alone_n"] >= REPLY_TOKENS and alone["beside_other_model_n"] == 0
+        assert alone["alone_p50_ms"] > 0 and alone["ratio"] is None
+        busy, client.done = True, asyncio.Event()
+        worker.submit(sid, AppendUserText("And of Spain?", 2))
+        worker.submit(sid, StartReply(2))
+        await asyncio.wait_for(client.done.wait(), 120)
+        both = worker.step_times()
+        assert both["alone_n"] == alone["alone_n"] and both["beside_other_model_n"] >= REPLY_TOKENS
+        assert both["ratio"] is not None and both["ratio"] > 0
+        worker.close(sid)
+        await settle(worker)

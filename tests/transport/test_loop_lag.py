@@ -35,7 +35,10 @@ async def test_a_blocked_loop_shows_in_healthz_and_metrics(make_server) -> None:
     await asyncio.sleep(0.2)
     time.sleep(0.3)  # noqa: ASYNC251 (on purpose: what a tokenizer or a KV copy on the loop would do)
     await asyncio.sleep(0.2)
-    loop = json.loads(await asyncio.to_thread(get, "/healthz"))["event_loop"]
+    health = json.loads(await asyncio.to_thread(get, "/healthz"))
+    loop = health["event_loop"]
+    assert set(health["threads"]) == {"dialog", "asr", "tts", "vad", "omp_wait_policy"}
+    assert health["threads"]["asr"] >= 1 and health["threads"]["vad"] == 1
     assert loop["max_ms"] >= 250 and loop["recent_max_ms"] >= 250 and loop["samples"] >= 2
     metrics = await asyncio.to_thread(get, "/metrics")
     assert 'duplexd_event_loop_lag_seconds_bucket{le="0.5"}' in metrics
