@@ -135,8 +135,9 @@ class DecodeBatch:
                 k_cache = pool.k[layer, bucket.span, :, : bucket.length]
                 v_cache = pool.v[layer, bucket.span, :, : bucket.length]
             else:
-                k_cache = pool.k[layer].index_select(0, bucket.slots)[:, :, : bucket.length]
-                v_cache = pool.v[layer].index_select(0, bucket.slots)[:, :, : bucket.length]
+                # (only the rows attended are gathered, not the whole slot)
+                k_cache = pool.k[layer, :, :, : bucket.length].index_select(0, bucket.slots)
+                v_cache = pool.v[layer, :, :, : bucket.length].index_select(0, bucket.slots)
             qa, kn, vn = q_abs[rows], k[rows], v[rows]
             scores = [qa @ k_cache.transpose(-1, -2), qa @ kn.transpose(-1, -2)]
             if q_sink is not None:

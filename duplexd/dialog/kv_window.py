@@ -16,6 +16,7 @@ windowed attention is plain causal attention until the context outgrows the wind
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ class WindowConfig:
     """`sink_tokens` pinned tokens (the head of the system prompt) + `window_tokens` most recent ones."""
 
     sink_tokens: int = 4
-    window_tokens: int = 1020
+    window_tokens: int = 2044
 
     def __post_init__(self) -> None:
         if self.sink_tokens < 0:
@@ -71,7 +72,9 @@ class SlotTable:
     def release(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.slots:
             raise ValueError(f"{self._what} {slot} is not allocated")
-        self._free.append(slot)
+        # (kept highest first, so `allocate` pops the lowest: sessions opened together get consecutive slots,
+        # which decode attention reads in place instead of gathering)
+        bisect.insort(self._free, slot, key=lambda s: -s)
 
 
 class KvPool:

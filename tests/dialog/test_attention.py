@@ -86,3 +86,39 @@ def test_a_bucket_attends_as_the_whole_slot_would() -> None:
     scores = scores * scale + plan.mask[0]
     expected = (torch.softmax(scores, -1) @ values).reshape(1, HEADS, DIM)
     torch.testing.assert_close(bucketed, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(HEADS, KV_HEADS, DIM), (9, 3, 64)])  # (the second: SmolLM2-135M's)
+def test_sessions_in_scattered_slots_get_the_numbers_they_get_alone(dtype: torch.dtype, dims) -> None:
+    """Sessions of one bucket in slots that are not consecutive are gathered (a copy of the rows they attend)
+    instead of viewed in place: a row's numbers are still bitwise those it gets alone."""
+    heads, kv_heads, dim = dims
+    window = WindowConfig(sink_tokens=4, window_tokens=2044)
+    rope = RopeTable(head_dim=dim, theta=10000.0, cached=4096)
+    gen = torch.Generator().manual_seed(5)
+    pool = KvPool(layers=1, kv_heads=kv_heads, head_dim=dim, window=window, slots=6, dtype=dtype)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen).to(dtype))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen).to(dtype))
+    slots, lengths = [5, 1, 3], [300, 290, 310]  # one bucket (384 rows), slots neither consecutive nor sorted
+    states = []
+    for n in lengths:
+        state = WindowState(window)
+        state.commit(state.plan(n, rope, heads // kv_heads))
+        states.append(state)
+    q = torch.randn(len(slots), heads, dim, generator=gen).to(dtype)
+    k = torch.randn(len(slots), kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(len(slots), kv_heads, dim, generator=gen).to(dtype)
+    scale = 1 / math.sqrt(dim)
+    plans = [s.plan(1, rope, heads // kv_heads) for s in states]
+    batch = DecodeBatch.build(pool, slots, plans)
+    assert len(batch.buckets) == 1 and batch.buckets[0].span is None  # (the gather)
+    saved = pool.k.clone(), pool.v.clone()
+    together = batch.attend(pool, 0, q, k, v, scale, 4)
+    for i, slot in enumerate(slots):
+        pool.k.copy_(saved[0])
+        pool.v.copy_(saved[1])
+        alone_batch = DecodeBatch.build(pool, [slot], [plans[i]])
+        assert alone_batch.buckets[0].span is not None  # (a view in place)
+        alone = alone_batch.attend(pool, 0, q[i : i + 1], k[i : i + 1], v[i : i + 1], scale, 4)
+        assert torch.equal(alone[0], together[i]), f"slot {slot}: gathered differs from in place"

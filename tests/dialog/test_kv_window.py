@@ -141,6 +141,17 @@ def test_a_slot_table_counts_conversations_and_refuses_over_capacity() -> None:
         SlotTable(0)
 
 
+def test_the_lowest_free_slot_goes_first_whatever_order_they_were_freed_in() -> None:
+    """So conversations opened together get consecutive slots (read in place by decode attention)."""
+    table = SlotTable(6)
+    taken = [table.allocate() for _ in range(6)]
+    for slot in taken:  # freed first to last: a stack would now hand out 5, 4, 3, ...
+        table.release(slot)
+    assert [table.allocate() for _ in range(3)] == [0, 1, 2]
+    table.release(1)
+    assert table.allocate() == 1
+
+
 def test_pool_copy_copies_only_the_slot() -> None:
     pool = KvPool(layers=1, kv_heads=1, head_dim=2, window=WindowConfig(0, 4), slots=3, dtype=torch.float32)
     pool.k[0, 0] = 1.0
