@@ -28,7 +28,7 @@ def test_chat_answers_line_by_line() -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "Paris" in lines[0]
-    assert lines[1].startswith("tokens seen ") and "of 1024 (sinks 4)" in lines[1]
+    assert lines[1].startswith("tokens seen ") and "of 2048 (sinks 4)" in lines[1]
     seen_before = int(lines[1].split()[2].rstrip(","))
     assert lines[2] == "(new conversation)"
     seen_after = int(lines[3].split()[2].rstrip(","))
