@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
 from duplexd.config import VadConfig
+from duplexd.errors import EngineError
 from duplexd.events import SpeechStarted, SpeechStopped
 
 VAD_SAMPLE_RATE = 16_000
@@ -79,7 +80,13 @@ class VadStream:
 
 
 def default_vad_model() -> Path:
-    return Path(str(resources.files("silero_vad") / "data" / "silero_vad.onnx"))
+    """The ONNX file inside the `silero-vad` package, found without importing it: its `__init__` imports
+    torch and sets torch's threads to 1 for the whole process (the dialog engine then decoded on one
+    core of two)."""
+    spec = importlib.util.find_spec("silero_vad")
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError("the silero-vad package is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "silero_vad.onnx"
 
 
 class SileroVad:

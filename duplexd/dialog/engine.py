@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -91,7 +92,9 @@ class EngineConfig:
     """`auto` (the faster on this CPU that keeps the perplexity, `tuning`), `float32` or `bfloat16`
     (weights, activations and KV)."""
     threads: int = _DEFAULTS.threads
-    """torch intra-op threads for the engine worker; 0 keeps torch's default."""
+    """torch intra-op threads for the engine's steps; 0: one per core. Set at load (the tuning measures
+    with them) and kept at every step (a library imported later may change torch's, as silero-vad's
+    package does at import)."""
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -222,6 +225,7 @@ class DialogEngine:
         self._group = mc.n_heads // mc.n_kv_heads
         self._sessions: dict[int, _Session] = {}
         self._ids = itertools.count(1)
+        self._threads = self.config.threads or os.cpu_count() or 1
         self.stats = {
             "steps": 0,
             "decode_tokens": 0,
@@ -229,6 +233,7 @@ class DialogEngine:
             "busy_s": 0.0,
             "draft_steps": 0,
             "draft_busy_s": 0.0,
+            "threads": 0,  # torch's threads on the thread that steps the engine, at its last step
         }
         self.last_schedule: list[tuple[int, Priority]] = []  # sessions with work at the last step
         self.last_packed: list[tuple[int, str, int]] = []  # (session, `planner.Kind`, tokens), in packing order
@@ -243,8 +248,7 @@ class DialogEngine:
         from duplexd.dialog.weights import load_weights
 
         config = config or EngineConfig()
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        torch.set_num_threads(config.threads or os.cpu_count() or 1)  # (the tuning below measures with them)
         t0 = time.perf_counter()
         model_config, weights, tokenizer = load_weights(config.model)
         model, tuning = tuned_model(model_config, weights, tokenizer, config.dtype, config.model)
@@ -559,6 +563,8 @@ class DialogEngine:
         work = self._schedule()
         if not work:
             return {}
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
         t0 = time.perf_counter()
         segments, tokens, start = [], [], 0
         for w in work:
@@ -593,6 +599,7 @@ class DialogEngine:
                 if new is not None:
                     out[w.session.id] = [new]
         self.stats["steps"] += 1
+        self.stats["threads"] = torch.get_num_threads()
         elapsed = time.perf_counter() - t0
         self.stats["busy_s"] += elapsed
         self.step_samples.append((elapsed, len(work), len(tokens)))

@@ -501,3 +501,17 @@ def test_a_rewritten_context_is_the_conversation_it_describes(smol) -> None:
         engine.rewrite(edited, None, [])
     with pytest.raises(ValueError):
         engine.rewrite(lived, None, [("tool", "x")])
+
+
+def test_steps_run_on_the_configured_threads_whatever_a_library_set(smol) -> None:
+    """silero-vad's package sets torch's threads to 1 when imported; the engine's steps keep their own."""
+    engine = make_engine(smol, threads=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # (what `import silero_vad` does)
+        sid = engine.open()
+        engine.append_user_text(sid, "Hello there.")
+        run_until_idle(engine)
+        assert engine.stats["threads"] == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
