@@ -275,6 +275,7 @@ BENCHMARKS = {  # `duplexd bench NAME`: the module whose `main(args)` runs it
     "transport": "duplexd.bench.transport",
     "chaos": "duplexd.bench.chaos",
     "cluster": "duplexd.bench.cluster",
+    "threads": "duplexd.bench.threads",
 }
 
 
@@ -509,10 +510,28 @@ def run() -> None:
     raise SystemExit(code)
 
 
+def openmp_setup() -> None:
+    """How the models' OpenMP threads wait, set before torch or CTranslate2 is loaded (docs/benchmarks.md,
+    "Threads"). Two things, both measured:
+
+    - CTranslate2 is loaded before torch, so the recognizer keeps the OpenMP runtime its wheel ships.
+      Loaded after, it binds to torch's (exported globally), and the two workers' thread teams count as
+      one runtime's: more threads than cores, so libgomp throttles every wait to ~100 spins, and each of
+      the ~1,500 small ops of a decode step pays a sleep and a wake-up (1.7x slower decode, alone or not).
+    - Idle threads spin at most `GOMP_SPINCOUNT` = 10,000 times (~0.1 ms) before sleeping: the gaps between
+      a step's ops are shorter, the gaps between steps and passes longer (libgomp's default spins ~3 ms,
+      `OMP_WAIT_POLICY=PASSIVE` not at all).
+
+    A user's own `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is kept."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = "10000"
+    if "torch" not in sys.modules:
+        with contextlib.suppress(ImportError):  # (a dependency; absent only in a broken install)
+            import ctranslate2  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
-    # Engines share two cores across threads (ASR, LLM, TTS, VAD): OpenMP threads that spin while idle
-    # (libgomp's default) slow the others 10x and more. Must be set before torch is imported.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    openmp_setup()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["relay"]:  # the relay has its own options (it also runs as `python -m duplexd.bench.relay`)
         from duplexd.bench import relay

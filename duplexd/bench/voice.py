@@ -212,7 +212,7 @@ def table(result: dict[str, Any]) -> str:
             f"({steps['beside_other_model_n']} steps): x{steps['ratio']}"
         )
     if threads:
-        lines.append("threads: " + ", ".join(f"{k} {v}" for k, v in threads.items()))
+        lines.append("threads: " + ", ".join(f"{k} {v}" for k, v in threads.items()))  # (openmp: the env it ran with)
     return "\n".join(lines)
 
 

@@ -211,13 +211,13 @@ class Server:
 
     def threads(self) -> dict[str, object]:
         """Each model's compute threads, and how idle OpenMP threads wait (they share the cores)."""
-        local_llm = self.dialog is not None and self.config.dialog.backend == "local"
+        stepping = None if self.dialog is None else self.dialog.engine.stats.get("threads")
         return {
-            "dialog": _torch_threads() if local_llm else None,
+            "dialog": stepping or None,  # (as the engine's own thread sees them; None before its first step)
             "asr": self.config.asr.cpu_threads or os.cpu_count(),
             "tts": None if self.tts is None else self.config.tts.threads,
             "vad": 1,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "openmp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},  # (cli.openmp_setup)
         }
 
     def models(self) -> dict[str, str | None]:
@@ -308,9 +308,3 @@ class Server:
                 ErrorCode.RESUME_REFUSED, "no such session to resume (ended, expired, or not yours)", fatal=True
             )
         return conn
-
-
-def _torch_threads() -> int:
-    import torch  # (loaded already: the local dialog engine runs on it)
-
-    return torch.get_num_threads()

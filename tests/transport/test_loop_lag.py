@@ -37,7 +37,7 @@ async def test_a_blocked_loop_shows_in_healthz_and_metrics(make_server) -> None:
     await asyncio.sleep(0.2)
     health = json.loads(await asyncio.to_thread(get, "/healthz"))
     loop = health["event_loop"]
-    assert set(health["threads"]) == {"dialog", "asr", "tts", "vad", "omp_wait_policy"}
+    assert set(health["threads"]) == {"dialog", "asr", "tts", "vad", "openmp"}
     assert health["threads"]["asr"] >= 1 and health["threads"]["vad"] == 1
     assert loop["max_ms"] >= 250 and loop["recent_max_ms"] >= 250 and loop["samples"] >= 2
     metrics = await asyncio.to_thread(get, "/metrics")
