@@ -213,6 +213,12 @@ class DialogConfig:
     22 % of the turns under the former prompt ("...answer in one or two short, plain sentences without lists
     or markdown."), 10 % under this one."""
     threads: int = 0
+    """torch threads for the engine's steps (0: one per core)."""
+    take_turns_with_asr: bool = True
+    """Engine steps and recognizer passes take turns on the cores (one lock) instead of running at once.
+    Measured (`duplexd bench threads`, docs/benchmarks.md "Threads"): at once, each slowed the other ~3x
+    (4 decoding replies 98 -> 29 tok/s, a pass 0.28 -> 0.93 s); in turns each waits for at most the other's
+    step or pass and then runs at full speed."""
     backend: str = "local"
     """`local`: the in-process engine above. `remote`: replies stream from an OpenAI-compatible
     `/v1/chat/completions` server (vLLM, llama.cpp, Ollama, `duplexd serve-llm`; see `dialog/remote.py`)."""

@@ -11,12 +11,15 @@ thread, recognizer passes on another. Measured in each:
 
 Setups: `shared_passive` is duplexd before this benchmark (torch loaded first, so CTranslate2 binds to
 torch's OpenMP runtime; `OMP_WAIT_POLICY=PASSIVE`); `separate_spin` is the default (`cli.openmp_setup`:
-CTranslate2 first, `GOMP_SPINCOUNT=10000`); the others vary one of the two.
+CTranslate2 first, `GOMP_SPINCOUNT=10000`), and with `_take_turns` as the server runs it by default
+(`dialog.take_turns_with_asr`: engine steps and passes under one lock, a pass's time then includes its
+wait); the others vary one thing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -31,17 +34,20 @@ from typing import Any
 
 from duplexd.bench import write_result
 
-SETUPS: dict[str, tuple[bool, dict[str, str]]] = {  # name: (CTranslate2 loaded first, environment)
-    "shared_passive": (False, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    "shared_default": (False, {}),
-    "separate_passive": (True, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    "separate_spin": (True, {"GOMP_SPINCOUNT": "10000"}),
+# name: (CTranslate2 first, environment, LLM threads (0: one per core), steps and passes take turns)
+SETUPS: dict[str, tuple[bool, dict[str, str], int, bool]] = {
+    "shared_passive": (False, {"OMP_WAIT_POLICY": "PASSIVE"}, 0, False),
+    "shared_default": (False, {}, 0, False),
+    "separate_passive": (True, {"OMP_WAIT_POLICY": "PASSIVE"}, 0, False),
+    "separate_spin": (True, {"GOMP_SPINCOUNT": "10000"}, 0, False),
+    "separate_spin_llm_1_thread": (True, {"GOMP_SPINCOUNT": "10000"}, 1, False),
+    "separate_spin_take_turns": (True, {"GOMP_SPINCOUNT": "10000"}, 0, True),
 }
 SESSIONS = 4
 REPEATS = 3
 
 
-def _child(ct2_first: bool, data: str | None) -> dict[str, Any]:
+def _child(ct2_first: bool, llm_threads: int, take_turns: bool, data: str | None) -> dict[str, Any]:
     """One setup, measured in this process (started fresh for it)."""
     if ct2_first:
         import ctranslate2  # noqa: F401
@@ -54,19 +60,28 @@ def _child(ct2_first: bool, data: str | None) -> dict[str, Any]:
     from duplexd.dialog.engine import DialogEngine, EngineConfig
 
     with ThreadPoolExecutor(1) as loader:  # (as the server: loaded on a thread that is gone after)
-        engine = loader.submit(DialogEngine.load, EngineConfig(max_sessions=SESSIONS)).result()
+        engine = loader.submit(DialogEngine.load, EngineConfig(max_sessions=SESSIONS, threads=llm_threads)).result()
         asr = loader.submit(FasterWhisperEngine, AsrConfig()).result()
     clip = next(c for c in load_clips(Path(data) if data else None) if 4.0 <= c.duration_s <= 8.0)
     audio = load(clip.path).astype(np.float32) / 32768.0  # (int16 -> [-1, 1])
     llm_thread, asr_thread = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    cores = threading.Lock() if take_turns else contextlib.nullcontext()  # (as `dialog.take_turns_with_asr`)
+    step = engine.step
+
+    def locked_step() -> dict[int, list[int]]:
+        with cores:
+            return step()
+
+    engine.step = locked_step  # type: ignore[method-assign]
 
     def decode() -> float:
         return float(llm_thread.submit(_aggregate, engine, SESSIONS, 24).result()["tok_s"])
 
     def recognize() -> float:
         def one() -> float:
-            t0 = time.perf_counter()
-            asr.transcribe(audio, "")
+            t0 = time.perf_counter()  # (a pass's latency: with the wait for the cores)
+            with cores:
+                asr.transcribe(audio, "")
             return time.perf_counter() - t0
 
         return asr_thread.submit(one).result()
@@ -100,7 +115,7 @@ def _child(ct2_first: bool, data: str | None) -> dict[str, Any]:
 
 def run(data: Path | None) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for name, (ct2_first, env) in SETUPS.items():
+    for name, (ct2_first, env, llm_threads, take_turns) in SETUPS.items():
         print(f"{name} ...", flush=True)
         child_env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         cmd = [
@@ -109,6 +124,9 @@ def run(data: Path | None) -> dict[str, Any]:
             "duplexd.bench.threads",
             "--child",
             "--ct2-first" if ct2_first else "--torch-first",
+            "--llm-threads",
+            str(llm_threads),
+            *(["--take-turns"] if take_turns else []),
         ]
         if data is not None:
             cmd += ["--data", str(data)]
@@ -118,7 +136,13 @@ def run(data: Path | None) -> dict[str, Any]:
         r = json.loads(done.stdout.strip().splitlines()[-1])
         r["llm_slowdown_beside_asr"] = r["llm_tok_s_alone"] / r["llm_tok_s_beside_asr"]
         r["asr_slowdown_beside_llm"] = r["asr_pass_s_beside_llm"] / r["asr_pass_s_alone"]
-        results[name] = {"ct2_first": ct2_first, "env": env, **r}
+        results[name] = {
+            "ct2_first": ct2_first,
+            "env": env,
+            "llm_threads": llm_threads or os.cpu_count(),
+            "take_turns": take_turns,
+            **r,
+        }
         print(f"  {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})}", flush=True)
     return {
         "benchmark": "threads",
@@ -155,6 +179,8 @@ if __name__ == "__main__":
     parser.add_argument("--child", action="store_true", required=True)
     parser.add_argument("--ct2-first", dest="ct2_first", action="store_true")
     parser.add_argument("--torch-first", dest="ct2_first", action="store_false")
+    parser.add_argument("--llm-threads", type=int, default=0)
+    parser.add_argument("--take-turns", action="store_true")
     parser.add_argument("--data", default=None)
     a = parser.parse_args()
-    print(json.dumps(_child(a.ct2_first, a.data)))
+    print(json.dumps(_child(a.ct2_first, a.llm_threads, a.take_turns, a.data)))

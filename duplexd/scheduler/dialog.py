@@ -217,6 +217,7 @@ class DialogWorker:
         max_reply_tokens: int | None = None,
         max_reply_sentences: int | None = None,
         contended: Callable[[], bool] | None = None,
+        cores: threading.Lock | None = None,
     ) -> None:
         """`yield_to`: True while other work that must not be slowed down runs on this machine's cores (a
         recognizer pass, speech synthesis for a reply); drafts wait for it to finish. `head_start`: True
@@ -224,7 +225,8 @@ class DialogWorker:
         reply tokens may still step. `max_reply_tokens`, `max_reply_sentences`: the conversations' reply
         limits (None: the engine's; servers that share one engine each keep their own). `contended`: True
         while another model runs on these cores; steps are timed apart by it (`step_times`). The callables
-        are read on the event loop."""
+        are read on the event loop. `cores`: held for each step (shared with the recognizer's passes:
+        they take turns)."""
         self.engine = engine
         self._system_prompt = system_prompt  # None: the engine's own
         self._max_reply_tokens = max_reply_tokens
@@ -234,6 +236,7 @@ class DialogWorker:
         self._yield_to = yield_to
         self._head_start = head_start
         self._contended = contended
+        self._cores = cores
         self._step_s: dict[bool, deque[float]] = {False: deque(maxlen=512), True: deque(maxlen=512)}
         self._max_commands = max_commands
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-llm")
@@ -402,9 +405,10 @@ class DialogWorker:
                 return _Cycle.IDLE, None
             if drafts_wait and not (head_start and self._head_start_due()):
                 return _Cycle.WAITING, None
-        t0 = time.perf_counter()
-        engine.step()
-        step_s = time.perf_counter() - t0
+        with self._cores if self._cores is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            engine.step()
+            step_s = time.perf_counter() - t0  # (not the wait for the cores)
         try:
             self._dispatch()
         except Exception:

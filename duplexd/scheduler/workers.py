@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -110,8 +112,10 @@ class AsrStats:
 
 
 class AsrScheduler:
-    def __init__(self, engine: AsrEngine) -> None:
+    def __init__(self, engine: AsrEngine, cores: threading.Lock | None = None) -> None:
+        """`cores`: held for each pass (shared with the LLM worker's steps: they take turns)."""
         self._engine = engine
+        self._cores = cores
         self._clients: dict[str, _Client] = {}
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-asr")
@@ -145,6 +149,13 @@ class AsrScheduler:
         self.schedule.append(choice)
         return self._clients[choice.key]
 
+    def _transcribe(self, audio: np.ndarray, prompt: str) -> tuple[Transcription, float]:
+        """A pass on the ASR thread, and its own time (not the wait for the cores)."""
+        with self._cores if self._cores is not None else contextlib.nullcontext():
+            t0 = time.monotonic()
+            result = self._engine.transcribe(audio, prompt)
+            return result, time.monotonic() - t0
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -153,11 +164,10 @@ class AsrScheduler:
             while (client := self._next()) is not None:
                 session = client.session
                 request = session.prepare_pass()
-                started = time.monotonic()
                 self.busy = True
                 try:
-                    result = await loop.run_in_executor(
-                        self._executor, self._engine.transcribe, request.audio, request.prompt
+                    result, elapsed = await loop.run_in_executor(
+                        self._executor, self._transcribe, request.audio, request.prompt
                     )
                 except Exception:
                     log.exception("ASR pass failed for session %s", session.id)
@@ -167,7 +177,6 @@ class AsrScheduler:
                 finally:
                     self.busy = False
                     client.last_pass = time.monotonic()
-                elapsed = client.last_pass - started
                 self.stats.passes += 1
                 self.stats.busy_s += elapsed
                 self.stats.audio_s += len(request.audio) / ASR_SAMPLE_RATE

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -68,7 +69,9 @@ class Server:
         self.limits = Limits(t.min_sample_rate, t.max_sample_rate, t.max_frame_ms, t.max_message_bytes)
         self.session_config = SessionConfig(config.vad, config.asr, config.turn.pause_ms, t.ack_interval_ms)
         self.vad = VadWorker(engines.vad, max_pending=4 * t.max_sessions)
-        self.asr = AsrScheduler(engines.asr)
+        # LLM steps and recognizer passes take turns on the cores (`dialog.take_turns_with_asr`)
+        self.cores = threading.Lock() if config.dialog.take_turns_with_asr else None
+        self.asr = AsrScheduler(engines.asr, self.cores)
         self.asr_name = engines.asr.name
         self.dialog = (
             DialogWorker(
@@ -80,6 +83,7 @@ class Server:
                 max_reply_tokens=config.dialog.max_reply_tokens,
                 max_reply_sentences=config.dialog.max_reply_sentences,
                 contended=self._others_busy,
+                cores=self.cores,
             )
             if engines.dialog and engines.tts
             else None

@@ -319,3 +319,22 @@ async def test_steps_are_timed_apart_by_what_else_runs_on_the_cores(engine) -> N
         assert both["ratio"] is not None and both["ratio"] > 0
         worker.close(sid)
         await settle(worker)
+
+
+async def test_steps_wait_their_turn_on_the_cores(engine) -> None:
+    """`cores` (shared with the recognizer's passes): no engine step runs while another worker holds it."""
+    cores = threading.Lock()
+    worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False), cores=cores)
+    async with running(worker):
+        client = Client()
+        sid = await asked(worker, client)
+        await asyncio.to_thread(cores.acquire)  # (a recognizer pass is running)
+        steps = engine.stats["steps"]
+        worker.submit(sid, StartReply(1))
+        await asyncio.sleep(0.3)
+        assert engine.stats["steps"] == steps and not client.done.is_set()
+        cores.release()
+        await asyncio.wait_for(client.done.wait(), 120)
+        assert engine.stats["steps"] > steps
+        worker.close(sid)
+        await settle(worker)
