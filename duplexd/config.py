@@ -214,11 +214,13 @@ class DialogConfig:
     or markdown."), 10 % under this one."""
     threads: int = 0
     """torch threads for the engine's steps (0: one per core)."""
-    take_turns_with_asr: bool = True
+    take_turns_with_asr: bool = False
     """Engine steps and recognizer passes take turns on the cores (one lock) instead of running at once.
     Measured (`duplexd bench threads`, docs/benchmarks.md "Threads"): at once, each slowed the other ~3x
-    (4 decoding replies 98 -> 29 tok/s, a pass 0.28 -> 0.93 s); in turns each waits for at most the other's
-    step or pass and then runs at full speed."""
+    (4 decoding replies 93 -> 26.5 tok/s, a pass 0.28 -> 0.91 s); in turns decoding kept 70.5 tok/s, and
+    bench voice's first audio p50/p90 was 0.90/1.08 s against 0.94/1.05 s. Off by default: the LLM then
+    takes in the user's words between passes, late, and drafts at a pause were no longer made in time
+    (tests/e2e/test_speculation_e2e.py: no draft)."""
     backend: str = "local"
     """`local`: the in-process engine above. `remote`: replies stream from an OpenAI-compatible
     `/v1/chat/completions` server (vLLM, llama.cpp, Ollama, `duplexd serve-llm`; see `dialog/remote.py`)."""
