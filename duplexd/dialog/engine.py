@@ -96,6 +96,11 @@ class EngineConfig:
     with them) and kept at every step (a library imported later may change torch's, as silero-vad's
     package does at import)."""
 
+    @property
+    def torch_threads(self) -> int:
+        """`threads`, with 0 read as one per core."""
+        return self.threads or os.cpu_count() or 1
+
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
             raise ValueError(f"EngineConfig.max_sessions must be >= 1, got {self.max_sessions}")
@@ -225,7 +230,6 @@ class DialogEngine:
         self._group = mc.n_heads // mc.n_kv_heads
         self._sessions: dict[int, _Session] = {}
         self._ids = itertools.count(1)
-        self._threads = self.config.threads or os.cpu_count() or 1
         self.stats = {
             "steps": 0,
             "decode_tokens": 0,
@@ -248,7 +252,7 @@ class DialogEngine:
         from duplexd.dialog.weights import load_weights
 
         config = config or EngineConfig()
-        torch.set_num_threads(config.threads or os.cpu_count() or 1)  # (the tuning below measures with them)
+        torch.set_num_threads(config.torch_threads)  # (the tuning below measures with them)
         t0 = time.perf_counter()
         model_config, weights, tokenizer = load_weights(config.model)
         model, tuning = tuned_model(model_config, weights, tokenizer, config.dtype, config.model)
@@ -563,8 +567,8 @@ class DialogEngine:
         work = self._schedule()
         if not work:
             return {}
-        if torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
+        if torch.get_num_threads() != self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
         t0 = time.perf_counter()
         segments, tokens, start = [], [], 0
         for w in work:
