@@ -167,11 +167,23 @@ class Transformer(nn.Module):
         self.decode_linear = ROWWISE  # one-token rows' kernel (`kernels.choose` measures a faster one at load)
 
     def decode_layers(self) -> list[tuple[Tensor, Tensor | None, int]]:
-        """The weights a decode step multiplies one-token rows by, each with its uses per step."""
+        """The weights a decode step multiplies one-token rows by, one per shape, each with its uses per step
+        (what the invariance self-test checks: a row's numbers depend on the shape, not on the values)."""
         first: TransformerBlock = self.layers[0]  # type: ignore[assignment]
         n = len(self.layers)
         linears = [first.attention.wqkv, first.attention.wo, first.feed_forward.w13, first.feed_forward.w2]
         return [(m.weight, m.bias, n) for m in linears] + [(self.output.weight, None, 1)]
+
+    def decode_weights(self) -> list[tuple[Tensor, Tensor | None, int]]:
+        """Every weight a decode step multiplies one-token rows by, in step order, once each: what timing a
+        kernel must stream. (One layer's weights reused 30 times stay in the CPU's cache and flatter the
+        dtype whose weights are larger: float32's 540 MB do not fit, bfloat16's are half of it.)"""
+        out: list[tuple[Tensor, Tensor | None, int]] = []
+        for layer in self.layers:
+            block: TransformerBlock = layer  # type: ignore[assignment]
+            for m in (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2):
+                out.append((m.weight, m.bias, 1))
+        return out + [(self.output.weight, None, 1)]
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Causal logits `[B, T, vocab]` for `tokens[B, T]` at positions 0..T-1 (full attention)."""

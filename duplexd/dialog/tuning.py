@@ -1,14 +1,17 @@
 """The dialog model as this CPU runs it fastest: the dtype and the decode kernel, measured at load.
 
 `dialog.dtype = "auto"` (the default) times the decode step's matrix multiplies in float32 and bfloat16,
-each with its fastest batch-invariant kernel (`kernels.choose`), and takes bfloat16 only where it is faster
-and keeps the perplexity of a fixed real text within `PPL_TOLERANCE` of float32's. "float32" or "bfloat16"
-force the dtype; the kernel is still measured. CPUs differ (fast bfloat16 matmuls on one, none on another),
-so nothing is assumed.
+each with its fastest batch-invariant kernel (`kernels.choose`), over every layer's own weights as a step
+streams them, at 1 to 16 rows. Of the dtypes that keep the perplexity of a fixed real text within
+`PPL_TOLERANCE` of float32's, it takes the one whose worst ratio to the other at any of those batch sizes is
+smallest (`kernels.least_worst_ratio`): one conversation's latency counts as much as sixteen's throughput.
+"float32" or "bfloat16" force the dtype; the kernel is still measured. CPUs differ (fast bfloat16 matmuls
+on one, none on another), so nothing is assumed.
 
-Measuring takes a few seconds, so the outcome is kept in a small JSON in the user cache directory, keyed
-by the torch version, the CPU (model name and flags), the thread count, the model and the dtype setting;
-a start that finds it re-checks only that the chosen tiles are still invariant (a fraction of a second).
+Measuring takes seconds (22 s on a 2-vCPU AVX2 EPYC, half of it the perplexity check), so the outcome is
+kept in a small JSON in the user cache directory, keyed by the torch version, the CPU (model name and
+flags), the thread count, the model and the dtype setting; a start that finds it re-checks only that the
+chosen tiles are still invariant (a fraction of a second).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from duplexd.dialog.gguf_weights import ChatTokenizer, LlamaConfig
-from duplexd.dialog.kernels import DecodeLinear, choose, invariant_tiles
+from duplexd.dialog.kernels import DecodeLinear, choose, invariant_tiles, least_worst_ratio
 from duplexd.dialog.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PPL_TOKENS = 512  # of `long_text`: the perplexity check at load (about a second per dtype on 2 cores)
 PPL_TOLERANCE = 0.01  # bfloat16 is used only if its perplexity is within 1 % of float32's
-FORMAT = 1  # of the cache file
+FORMAT = 2  # of the cache file (2: timed over every layer's weights, per batch size)
 
 
 def long_text() -> str:
@@ -70,7 +73,8 @@ class Tuning:
     tiles: tuple[int, ...]  # `kernels.DecodeLinear.tiles` (empty: rowwise)
     setting: str  # `dialog.dtype` as configured
     dtypes_offered: list[str] = field(default_factory=list)
-    step_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> kernel step ms at 16 rows
+    # dtype -> kernel -> decode rows -> step ms (each dtype's options; the chosen kernel's decide the dtype)
+    step_ms: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
     perplexity: dict[str, float] = field(default_factory=dict)
     cached: bool = False
     seconds: float = 0.0
@@ -85,7 +89,7 @@ class Tuning:
             "decode_linear": self.kernel.name,
             "dtype_setting": self.setting,
             "dtypes_offered": self.dtypes_offered,
-            "step_ms_16_rows": self.step_ms,
+            "step_ms": self.step_ms,
             "perplexity": self.perplexity,
             "cached": self.cached,
         }
@@ -116,21 +120,19 @@ def tuned_model(
     offered = list(DTYPES) if setting == "auto" else [setting]
     tuning = Tuning(dtype=offered[0], tiles=(), setting=setting, dtypes_offered=offered)
     models: dict[str, Transformer] = {}
-    cost: dict[str, float] = {}
     kernels: dict[str, DecodeLinear] = {}
     for name in offered:
         model = Transformer.from_state_dict(config, weights, DTYPES[name])
-        choice = choose(model.decode_layers())
+        choice = choose(model.decode_layers(), model.decode_weights())
         models[name], kernels[name] = model, choice.kernel
-        cost[name] = sum(choice.step_ms[choice.kernel.name].values())
-        tuning.step_ms[name] = {k: round(v[16], 3) for k, v in choice.step_ms.items()}
+        tuning.step_ms[name] = {k: {n: round(v, 3) for n, v in ms.items()} for k, ms in choice.step_ms.items()}
     usable = list(offered)
     if len(offered) > 1:
         ids = tokenizer.encode(long_text())[:PPL_TOKENS]
         tuning.perplexity = {name: round(perplexity(models[name], ids), 4) for name in offered}
         reference = tuning.perplexity["float32"]
         usable = [n for n in offered if tuning.perplexity[n] <= reference * (1 + PPL_TOLERANCE)]
-    tuning.dtype = min(usable, key=cost.__getitem__)
+    tuning.dtype = least_worst_ratio({name: tuning.step_ms[name][kernels[name].name] for name in usable})
     tuning.tiles = kernels[tuning.dtype].tiles
     model = models[tuning.dtype]
     model.decode_linear = kernels[tuning.dtype]
@@ -167,7 +169,10 @@ def _read(path: Path, setting: str) -> Tuning | None:
             tiles=tuple(int(t) for t in raw["tiles"]),
             setting=setting,
             dtypes_offered=list(raw["dtypes_offered"]),
-            step_ms=raw["step_ms"],
+            step_ms={
+                dtype: {kernel: {int(n): float(v) for n, v in ms.items()} for kernel, ms in options.items()}
+                for dtype, options in raw["step_ms"].items()
+            },
             perplexity=raw["perplexity"],
         )
     except (OSError, ValueError, KeyError, TypeError):

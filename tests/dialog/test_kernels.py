@@ -73,6 +73,26 @@ def test_choose_times_each_invariant_option_at_every_batch_size() -> None:
     assert all(worst <= max(ms[n] / best[n] for n in kernels.PROBE_ROWS) for ms in choice.step_ms.values())
 
 
+def test_least_worst_ratio_weighs_one_conversation_as_much_as_sixteen() -> None:
+    # float32 is the faster at 16 rows and has the least total; bfloat16 is twice as fast at one row.
+    ms = {"float32": {1: 60.0, 16: 200.0}, "bfloat16": {1: 30.0, 16: 300.0}}
+    assert kernels.least_worst_ratio(ms) == "bfloat16"  # (worst ratios 2.0 vs 1.5)
+    assert kernels.least_worst_ratio({"a": {1: 1.0, 16: 10.0}, "b": {1: 1.1, 16: 20.0}}) == "a"
+
+
+def test_step_timing_streams_every_weight_once_per_pass() -> None:
+    calls: list[int] = []
+
+    def recording(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(id(weight))
+        return F.linear(x, weight, bias)
+
+    weights = [(torch.randn(8, 4), None, 1) for _ in range(5)]
+    kernels.step_ms(recording, weights, rows=4, passes=2)  # type: ignore[arg-type]
+    ids = [id(w) for w, _, _ in weights]
+    assert calls == [ids[0]] + ids + ids  # one warm call per shape, then each weight in turn, twice
+
+
 # -- tuning at load, on the real model ---------------------------------------------------------------
 
 
@@ -107,6 +127,37 @@ def test_auto_measures_both_dtypes_keeps_the_choice_and_reuses_it(loaded, cache)
     model, again = tuning.tuned_model(config, weights, tokenizer, "auto", "smollm2")
     assert again.cached and (again.dtype, again.tiles) == (first.dtype, first.tiles)
     assert model.decode_linear == first.kernel
+
+
+def test_decode_weights_are_every_layers_own_in_step_order(loaded) -> None:
+    config, weights, _ = loaded
+    from duplexd.dialog.model import Transformer
+
+    model = Transformer.from_state_dict(config, weights)
+    timed = model.decode_weights()
+    assert len(timed) == 4 * config.n_layers + 1 and all(count == 1 for _, _, count in timed)
+    assert len({id(w) for w, _, _ in timed}) == len(timed)  # (distinct tensors: nothing stays in cache)
+    shapes = [tuple(w.shape) for w, _, _ in model.decode_layers()]
+    assert [tuple(w.shape) for w, _, _ in timed[:4]] == shapes[:4] and tuple(timed[-1][0].shape) == shapes[-1]
+
+
+def test_auto_takes_the_dtype_that_pays_least_at_its_worst_batch_size(loaded, cache, monkeypatch) -> None:
+    config, weights, tokenizer = loaded
+    # float32 faster at 16 rows (and in total), bfloat16 twice as fast at one: the latter is taken.
+    fake = {
+        torch.float32: {1: 60.0, 2: 70.0, 4: 90.0, 8: 120.0, 16: 200.0},
+        torch.bfloat16: {1: 30.0, 2: 40.0, 4: 70.0, 8: 140.0, 16: 290.0},
+    }
+
+    def timed(layers, timed=None):  # type: ignore[no-untyped-def]
+        return kernels.KernelChoice(ROWWISE, {"rowwise": dict(fake[layers[0][0].dtype])})
+
+    monkeypatch.setattr(tuning, "choose", timed)
+    _, chosen = tuning.tuned_model(config, weights, tokenizer, "auto", "smollm2")
+    if chosen.perplexity["bfloat16"] > chosen.perplexity["float32"] * (1 + tuning.PPL_TOLERANCE):
+        pytest.skip("bfloat16 costs perplexity on this CPU: it is refused whatever its speed")
+    assert chosen.dtype == "bfloat16"
+    assert chosen.step_ms["float32"]["rowwise"][16] == 200.0  # (what it was chosen from, reported)
 
 
 def test_a_forced_dtype_is_used_and_its_kernel_still_measured(loaded, cache) -> None:
