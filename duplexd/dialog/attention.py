@@ -43,7 +43,7 @@ def step_attention(pool: KvPool, head_dim: int, rows: Sequence[tuple[int, Plan, 
         for slot, plan, seg in chunks:
             span = slice(seg.start, seg.start + seg.length)
             k_cache, v_cache = pool.k[layer, slot], pool.v[layer, slot]
-            out[span] = attend_one(k_cache, v_cache, q[span], k[span], v[span], plan, scale, sinks)
+            out[span] = attend_one(k_cache, v_cache, q[span], k[span], v[span], plan, scale, sinks, pool.compute_dtype)
         return out
 
     return attend
@@ -67,16 +67,17 @@ class _Bucket:
     span: slice | None  # the slots as a slice when they are consecutive (a view instead of a gather)
     length: int  # cache rows attended (the rest of the slot is unused)
     mask: Tensor  # [b, 1, 1, length + 1]
+    sinks_rotated: bool  # its sessions' sinks are scored with their own rotation (they have evicted tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
     """One-token rows of several sessions, attended in one batched call per length bucket.
 
-    A row's cache rows are its slot's first `bucket_rows(used)`: a number that depends on its own session
-    only, so its shapes, and its numbers, are the same whatever else is in the step. Within a bucket the
-    sink columns are always scored with the sink rotation, unused rows are masked, and the matmuls are per
-    (session, KV head).
+    A row's bucket is its slot's first `bucket_rows(used)` rows and whether its session has evicted tokens
+    (only then do its sinks need a rotation of their own): both depend on its own session only, so its
+    shapes, and its numbers, are the same whatever else is in the step. Unused rows are masked, and the
+    matmuls are per (session, KV head).
     """
 
     slots: Tensor
@@ -88,11 +89,11 @@ class DecodeBatch:
     @classmethod
     def build(cls, pool: KvPool, slots: list[int], plans: list[Plan]) -> DecodeBatch:
         capacity = pool.window.capacity
-        by_length: dict[int, list[int]] = {}
+        by_length: dict[tuple[int, bool], list[int]] = {}
         for i, plan in enumerate(plans):
-            by_length.setdefault(bucket_rows(plan.used, capacity), []).append(i)
+            by_length.setdefault((bucket_rows(plan.used, capacity), plan.rot_sink is not None), []).append(i)
         buckets = []
-        for length, members in sorted(by_length.items()):
+        for (length, sinks_rotated), members in sorted(by_length.items()):
             mask = torch.full((len(members), length + 1), float("-inf"))
             for j, i in enumerate(members):
                 plan = plans[i]
@@ -107,6 +108,7 @@ class DecodeBatch:
                     span=slice(ids[0], ids[0] + len(ids)) if consecutive else None,
                     length=length,
                     mask=mask[:, None, None, :],
+                    sinks_rotated=sinks_rotated,
                 )
             )
         return cls(
@@ -120,14 +122,17 @@ class DecodeBatch:
         )
 
     def attend(self, pool: KvPool, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: int) -> Tensor:
-        """`q[B, H, D]`, `k`/`v[B, Hkv, D]` (pre-RoPE) -> `[B, H, D]`; the new keys/values go into the pool."""
+        """`q[B, H, D]`, `k`/`v[B, Hkv, D]` (pre-RoPE) -> `[B, H, D]`; the new keys/values go into the pool.
+        The arithmetic runs in `pool.compute_dtype` (the cache rows read are cast to it: elementwise)."""
         b, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        q_abs = apply_rope(q, self.rot_abs).view(b, kv_heads, heads // kv_heads, dim)
-        q_sink = apply_rope(q, self.rot_sink).view(b, kv_heads, heads // kv_heads, dim) if sinks else None
-        k = apply_rope(k, self.rot_abs).unsqueeze(2)  # [B, Hkv, 1, D]
-        v = v.unsqueeze(2)
-        out = q_abs.new_empty(b, kv_heads, heads // kv_heads, dim) if len(self.buckets) > 1 else None
+        kv_heads, group, cd = k.shape[1], heads // k.shape[1], pool.compute_dtype
+        rotated = apply_rope(torch.cat([q, k], dim=1), self.rot_abs, cd)  # (one call: the same rotation)
+        q_abs = rotated[:, :heads].view(b, kv_heads, group, dim)
+        k_stored = rotated[:, heads:].to(pool.k.dtype)  # [B, Hkv, D]: the new key as the cache will hold it
+        k_new, v_new = k_stored.to(cd).unsqueeze(2), v.to(cd).unsqueeze(2)  # [B, Hkv, 1, D]
+        rotate_sinks = sinks and any(bucket.sinks_rotated for bucket in self.buckets)
+        q_sink = apply_rope(q, self.rot_sink, cd).view(b, kv_heads, group, dim) if rotate_sinks else None
+        out = q_abs.new_empty(b, kv_heads, group, dim) if len(self.buckets) > 1 else None
         for bucket in self.buckets:
             whole = out is None
             rows = slice(None) if whole else bucket.index
@@ -138,11 +143,12 @@ class DecodeBatch:
                 # (only the rows attended are gathered, not the whole slot)
                 k_cache = pool.k[layer, :, :, : bucket.length].index_select(0, bucket.slots)
                 v_cache = pool.v[layer, :, :, : bucket.length].index_select(0, bucket.slots)
-            qa, kn, vn = q_abs[rows], k[rows], v[rows]
+            k_cache, v_cache = k_cache.to(cd), v_cache.to(cd)
+            qa, kn, vn = q_abs[rows], k_new[rows], v_new[rows]
             scores = [qa @ k_cache.transpose(-1, -2), qa @ kn.transpose(-1, -2)]
-            if q_sink is not None:
+            if q_sink is not None and bucket.sinks_rotated:
                 scores[0][..., :sinks] = q_sink[rows] @ k_cache[:, :, :sinks].transpose(-1, -2)
-            probs = attention_weights(torch.cat(scores, dim=-1), scale, bucket.mask, vn.dtype)
+            probs = attention_weights(torch.cat(scores, dim=-1), scale, bucket.mask, cd)
             part = probs[..., : bucket.length] @ v_cache + probs[..., bucket.length :] * vn
             if whole:
                 out = part
@@ -150,9 +156,9 @@ class DecodeBatch:
                 assert out is not None
                 out[bucket.index] = part
         assert out is not None
-        pool.k[layer, self.slots, :, self.rows] = k[:, :, 0]
-        pool.v[layer, self.slots, :, self.rows] = v[:, :, 0]
-        return out.reshape(b, heads, dim)
+        pool.k[layer, self.slots, :, self.rows] = k_stored
+        pool.v[layer, self.slots, :, self.rows] = v
+        return out.reshape(b, heads, dim).to(q.dtype)
 
 
 def attention_weights(scores: Tensor, scale: float, mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -168,31 +174,42 @@ def attention_weights(scores: Tensor, scale: float, mask: Tensor, dtype: torch.d
 
 
 def attend_one(
-    k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, plan: Plan, scale: float, sinks: int
+    k_cache: Tensor,
+    v_cache: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: Plan,
+    scale: float,
+    sinks: int,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """One session's attention for its `n` new tokens, then their keys/values go into the cache.
 
-    `k_cache`, `v_cache`: `[Hkv, S+W, D]` views of the pool; `q[n, H, D]`, `k`/`v[n, Hkv, D]` pre-RoPE.
+    `k_cache`, `v_cache`: `[Hkv, S+W, D]` views of the pool; `q[n, H, D]`, `k`/`v[n, Hkv, D]` pre-RoPE. The
+    arithmetic runs in `compute_dtype` (default: the cache's).
     """
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
+    cd = k_cache.dtype if compute_dtype is None else compute_dtype
 
     def by_kv_head(x: Tensor) -> Tensor:  # [n, H, D] -> [Hkv, group * n, D]
         return x.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
 
-    q_abs = by_kv_head(apply_rope(q, plan.rot_abs))
-    k = apply_rope(k, plan.rot_abs).transpose(0, 1)  # [Hkv, n, D]
+    q_abs = by_kv_head(apply_rope(q, plan.rot_abs, cd))
+    k = apply_rope(k, plan.rot_abs).transpose(0, 1)  # [Hkv, n, D], as the cache will hold it
     v = v.transpose(0, 1)
     used = plan.used
-    old_k = k_cache[:, :used]
+    old_k = k_cache[:, :used].to(cd)
     scores_old = q_abs @ old_k.transpose(1, 2)
     if plan.rot_sink is not None and used:
         s = min(sinks, used)
-        q_sink = by_kv_head(apply_rope(q, plan.rot_sink))
+        q_sink = by_kv_head(apply_rope(q, plan.rot_sink, cd))
         scores_old[:, :, :s] = q_sink @ old_k[:, :s].transpose(1, 2)
-    probs = attention_weights(torch.cat([scores_old, q_abs @ k.transpose(1, 2)], dim=-1), scale, plan.mask, v.dtype)
-    out = probs[:, :, :used] @ v_cache[:, :used] + probs[:, :, used:] @ v
+    k_new, v_new = k.to(cd), v.to(cd)
+    probs = attention_weights(torch.cat([scores_old, q_abs @ k_new.transpose(1, 2)], dim=-1), scale, plan.mask, cd)
+    out = probs[:, :, :used] @ v_cache[:, :used].to(cd) + probs[:, :, used:] @ v_new
     k_cache[:, plan.rows] = k
     v_cache[:, plan.rows] = v
-    return out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+    return out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim).to(q.dtype)

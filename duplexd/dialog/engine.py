@@ -221,6 +221,7 @@ class DialogEngine:
             window=self.config.window,
             slots=self.config.max_sessions,
             dtype=model.tok_embeddings.weight.dtype,
+            compute_dtype=model.attention_dtype,
         )
         self.rope = RopeTable(mc.head_dim, mc.rope_theta, cached=max(8192, mc.context_length))
         self.format = ChatFormat.from_tokenizer(tokenizer, self.config.system_prompt)

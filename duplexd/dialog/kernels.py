@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -157,7 +157,7 @@ def choose(
     return choice
 
 
-def least_worst_ratio(step_ms: dict[str, dict[int, float]]) -> str:
+def least_worst_ratio(step_ms: Mapping[str, Mapping[Hashable, float]]) -> str:
     """The option (name -> milliseconds per batch size) whose worst ratio to the fastest option at any batch
     size is smallest: no load, one conversation or sixteen, pays much for the choice."""
     sizes = set.intersection(*(set(ms) for ms in step_ms.values()))

@@ -78,15 +78,25 @@ class SlotTable:
 
 
 class KvPool:
-    """Keys and values for `slots` sessions: `k`, `v` of shape `[layers, slots, kv_heads, S + W, head_dim]`."""
+    """Keys and values for `slots` sessions: `k`, `v` of shape `[layers, slots, kv_heads, S + W, head_dim]`,
+    stored in `dtype`; attention over them computes in `compute_dtype` (default `dtype`: see `tuning`)."""
 
     def __init__(
-        self, *, layers: int, kv_heads: int, head_dim: int, window: WindowConfig, slots: int, dtype: torch.dtype
+        self,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        window: WindowConfig,
+        slots: int,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"a KV pool needs at least one slot, got {slots}")
         shape = (layers, slots, kv_heads, window.capacity, head_dim)
         self.window = window
+        self.compute_dtype = dtype if compute_dtype is None else compute_dtype
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self._table = SlotTable(slots, "KV slot")

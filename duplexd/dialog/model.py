@@ -59,12 +59,14 @@ def rope_angles(positions: Tensor, head_dim: int, theta: float) -> Tensor:
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
-def apply_rope(x: Tensor, rotation: Tensor) -> Tensor:
-    """Rotate adjacent pairs of `x[T, H, D]` by `rotation[T, D/2]` (complex)."""
+def apply_rope(x: Tensor, rotation: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Rotate adjacent pairs of `x[T, H, D]` by `rotation[T, D/2]` (complex), in float32; the result in
+    `dtype` (default: `x`'s)."""
     x32 = x if x.dtype == torch.float32 else x.float()
     pairs = torch.view_as_complex(x32.unflatten(-1, (-1, 2)).contiguous())
     rotated = torch.view_as_real(pairs * rotation[:, None, :]).flatten(-2)
-    return rotated if x.dtype == torch.float32 else rotated.type_as(x)
+    dtype = x.dtype if dtype is None else dtype
+    return rotated if dtype == torch.float32 else rotated.to(dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +167,7 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.decode_linear = ROWWISE  # one-token rows' kernel (`kernels.choose` measures a faster one at load)
+        self.attention_dtype: torch.dtype | None = None  # attention's arithmetic (None: the weights'; `tuning`)
 
     def decode_layers(self) -> list[tuple[Tensor, Tensor | None, int]]:
         """The weights a decode step multiplies one-token rows by, one per shape, each with its uses per step

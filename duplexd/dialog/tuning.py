@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PPL_TOKENS = 512  # of `long_text`: the perplexity check at load (about a second per dtype on 2 cores)
 PPL_TOLERANCE = 0.01  # bfloat16 is used only if its perplexity is within 1 % of float32's
-FORMAT = 2  # of the cache file (2: timed over every layer's weights, per batch size)
+FORMAT = 2  # of the cache file (2: timed over every layer's weights, per batch size; attention's dtype)
 
 
 def long_text() -> str:
@@ -76,6 +76,8 @@ class Tuning:
     # dtype -> kernel -> decode rows -> step ms (each dtype's options; the chosen kernel's decide the dtype)
     step_ms: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
     perplexity: dict[str, float] = field(default_factory=dict)
+    attention: str = "float32"  # the dtype attention computes in (`attention_ms`)
+    attention_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # compute dtype -> probe -> ms
     cached: bool = False
     seconds: float = 0.0
 
@@ -91,8 +93,35 @@ class Tuning:
             "dtypes_offered": self.dtypes_offered,
             "step_ms": self.step_ms,
             "perplexity": self.perplexity,
+            "attention_dtype": self.attention,
+            "attention_ms": self.attention_ms,
             "cached": self.cached,
         }
+
+
+ATTENTION_PROBES = ((1, 128), (1, 2048), (16, 128), (16, 2048))  # (sessions, cache rows) of a decode step
+
+
+def attention_ms(config: LlamaConfig, stored: torch.dtype, compute: torch.dtype) -> dict[str, float]:
+    """Milliseconds of one layer's decode attention matmuls (scores and weighted values) over a KV cache
+    stored in `stored`, computed in `compute` (the cache rows cast to it first, as `attention` does), for
+    each `ATTENTION_PROBES` shape; the fastest of three. On an AVX2 CPU without bfloat16 instructions the
+    bfloat16 matmuls of these small shapes ran 2-8x slower than casting and multiplying in float32; where
+    bfloat16 is native, the cast may cost more than it saves."""
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, group, dim = config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim
+    out = {}
+    for sessions, rows in ATTENTION_PROBES:
+        q = torch.randn(sessions, kv_heads, group, dim, generator=gen).to(compute)
+        k, v = (torch.randn(sessions, kv_heads, rows, dim, generator=gen).to(stored) for _ in range(2))
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            probs = torch.softmax((q @ k.to(compute).transpose(-1, -2)).float(), dim=-1).to(compute)
+            probs @ v.to(compute)
+            best = min(best, time.perf_counter() - t0)
+        out[f"{sessions}x{rows}"] = round(1000 * best, 3)
+    return out
 
 
 def perplexity(model: Transformer, ids: list[int]) -> float:
@@ -114,6 +143,7 @@ def tuned_model(
         sizes = tuning.tiles or ()
         if not sizes or invariant_tiles([(w, b) for w, b, _ in model.decode_layers()], sizes) == sizes:
             model.decode_linear = tuning.kernel
+            model.attention_dtype = DTYPES[tuning.attention]
             tuning.cached, tuning.seconds = True, time.perf_counter() - t0
             return model, tuning
         log.info("dialog kernel cache is stale (tiles %s no longer invariant): measuring again", sizes)
@@ -136,6 +166,10 @@ def tuned_model(
     tuning.tiles = kernels[tuning.dtype].tiles
     model = models[tuning.dtype]
     model.decode_linear = kernels[tuning.dtype]
+    if tuning.dtype != "float32":
+        tuning.attention_ms = {name: attention_ms(config, DTYPES[tuning.dtype], DTYPES[name]) for name in DTYPES}
+        tuning.attention = least_worst_ratio(tuning.attention_ms)
+    model.attention_dtype = DTYPES[tuning.attention]
     tuning.seconds = time.perf_counter() - t0
     _write(path, tuning)
     return model, tuning
@@ -174,10 +208,12 @@ def _read(path: Path, setting: str) -> Tuning | None:
                 for dtype, options in raw["step_ms"].items()
             },
             perplexity=raw["perplexity"],
+            attention=raw["attention"],
+            attention_ms=raw["attention_ms"],
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return tuning if tuning.dtype in DTYPES else None
+    return tuning if tuning.dtype in DTYPES and tuning.attention in DTYPES else None
 
 
 def _write(path: Path, tuning: Tuning) -> None:
@@ -187,6 +223,8 @@ def _write(path: Path, tuning: Tuning) -> None:
         "dtypes_offered": tuning.dtypes_offered,
         "step_ms": tuning.step_ms,
         "perplexity": tuning.perplexity,
+        "attention": tuning.attention,
+        "attention_ms": tuning.attention_ms,
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

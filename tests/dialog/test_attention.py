@@ -26,10 +26,14 @@ def test_a_bucket_is_the_used_rows_rounded_up_within_the_slot() -> None:
     assert bucket_rows(capacity - 1, 300) == 300  # (never past the slot)
 
 
-def _pool_with(lengths: list[int], dtype: torch.dtype) -> tuple[KvPool, list[WindowState]]:
+def _pool_with(
+    lengths: list[int], dtype: torch.dtype, compute: torch.dtype | None = None
+) -> tuple[KvPool, list[WindowState]]:
     """A pool whose slot i holds `lengths[i]` tokens of random keys and values."""
     gen = torch.Generator().manual_seed(1)
-    pool = KvPool(layers=1, kv_heads=KV_HEADS, head_dim=DIM, window=WINDOW, slots=len(lengths), dtype=dtype)
+    pool = KvPool(
+        layers=1, kv_heads=KV_HEADS, head_dim=DIM, window=WINDOW, slots=len(lengths), dtype=dtype, compute_dtype=compute
+    )
     states = []
     for slot, n in enumerate(lengths):
         state = WindowState(WINDOW)
@@ -42,8 +46,12 @@ def _pool_with(lengths: list[int], dtype: torch.dtype) -> tuple[KvPool, list[Win
     return pool, states
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_is_the_same_alone_and_beside_sessions_of_other_lengths(dtype: torch.dtype) -> None:
+# (stored dtype, compute dtype): float32; bfloat16; bfloat16 stored and computed in float32 (`tuning`)
+DTYPE_PAIRS = [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize(("dtype", "compute"), DTYPE_PAIRS)
+def test_a_row_is_the_same_alone_and_beside_sessions_of_other_lengths(dtype: torch.dtype, compute) -> None:
     lengths = [20, 300, 700, 130]  # buckets 128, 384, 512 (the window is full), 256
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(len(lengths), HEADS, DIM, generator=gen).to(dtype)
@@ -51,13 +59,13 @@ def test_a_row_is_the_same_alone_and_beside_sessions_of_other_lengths(dtype: tor
     v = torch.randn(len(lengths), KV_HEADS, DIM, generator=gen).to(dtype)
     scale = 1 / math.sqrt(DIM)
 
-    pool, states = _pool_with(lengths, dtype)
+    pool, states = _pool_with(lengths, dtype, compute)
     plans = [s.plan(1, ROPE, HEADS // KV_HEADS) for s in states]
     together = DecodeBatch.build(pool, list(range(len(lengths))), plans).attend(pool, 0, q, k, v, scale, 4)
     assert {b.length for b in DecodeBatch.build(pool, [0, 1, 2, 3], plans).buckets} == {128, 384, 512, 256}
 
     for i in range(len(lengths)):
-        pool, states = _pool_with(lengths, dtype)
+        pool, states = _pool_with(lengths, dtype, compute)
         plan = states[i].plan(1, ROPE, HEADS // KV_HEADS)
         alone = DecodeBatch.build(pool, [i], [plan]).attend(pool, 0, q[i : i + 1], k[i : i + 1], v[i : i + 1], scale, 4)
         assert torch.equal(alone[0], together[i]), f"session {i} ({lengths[i]} tokens) depends on the others"
@@ -88,16 +96,16 @@ def test_a_bucket_attends_as_the_whole_slot_would() -> None:
     torch.testing.assert_close(bucketed, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "compute"), DTYPE_PAIRS)
 @pytest.mark.parametrize("dims", [(HEADS, KV_HEADS, DIM), (9, 3, 64)])  # (the second: SmolLM2-135M's)
-def test_sessions_in_scattered_slots_get_the_numbers_they_get_alone(dtype: torch.dtype, dims) -> None:
+def test_sessions_in_scattered_slots_get_the_numbers_they_get_alone(dtype: torch.dtype, compute, dims) -> None:
     """Sessions of one bucket in slots that are not consecutive are gathered (a copy of the rows they attend)
     instead of viewed in place: a row's numbers are still bitwise those it gets alone."""
     heads, kv_heads, dim = dims
     window = WindowConfig(sink_tokens=4, window_tokens=2044)
     rope = RopeTable(head_dim=dim, theta=10000.0, cached=4096)
     gen = torch.Generator().manual_seed(5)
-    pool = KvPool(layers=1, kv_heads=kv_heads, head_dim=dim, window=window, slots=6, dtype=dtype)
+    pool = KvPool(layers=1, kv_heads=kv_heads, head_dim=dim, window=window, slots=6, dtype=dtype, compute_dtype=compute)
     pool.k.copy_(torch.randn(pool.k.shape, generator=gen).to(dtype))
     pool.v.copy_(torch.randn(pool.v.shape, generator=gen).to(dtype))
     slots, lengths = [5, 1, 3], [300, 290, 310]  # one bucket (384 rows), slots neither consecutive nor sorted
@@ -122,3 +130,30 @@ def test_sessions_in_scattered_slots_get_the_numbers_they_get_alone(dtype: torch
         assert alone_batch.buckets[0].span is not None  # (a view in place)
         alone = alone_batch.attend(pool, 0, q[i : i + 1], k[i : i + 1], v[i : i + 1], scale, 4)
         assert torch.equal(alone[0], together[i]), f"slot {slot}: gathered differs from in place"
+
+
+def test_bfloat16_attention_computed_in_float32_stores_the_same_keys_and_is_closer_to_float32() -> None:
+    """Computing in float32 changes only the arithmetic: the cache gets bitwise the keys and values the
+    bfloat16 path stores, and the output is nearer the all-float32 one."""
+    lengths = [20, 300, 700]  # (the last has evicted tokens: its sinks get their own rotation)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(len(lengths), h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    scale, outs, pools = 1 / math.sqrt(DIM), {}, {}
+    for name, dtype, compute in [
+        ("fp32", torch.float32, None),
+        ("bf16", torch.bfloat16, None),
+        ("bf16+fp32", torch.bfloat16, torch.float32),
+    ]:
+        pool, states = _pool_with(lengths, dtype, compute)
+        if dtype == torch.float32:  # (the same cache contents as the bfloat16 pools hold)
+            pool.k.copy_(pool.k.bfloat16().float())
+            pool.v.copy_(pool.v.bfloat16().float())
+        plans = [s.plan(1, ROPE, HEADS // KV_HEADS) for s in states]
+        batch = DecodeBatch.build(pool, list(range(len(lengths))), plans)
+        x = [t.to(dtype) for t in (q.bfloat16(), k.bfloat16(), v.bfloat16())]
+        out = batch.attend(pool, 0, *x, scale, 4)
+        assert out.dtype == dtype  # (returned in the rows' dtype, whatever it computed in)
+        outs[name], pools[name] = out.float(), pool
+    assert torch.equal(pools["bf16"].k, pools["bf16+fp32"].k) and torch.equal(pools["bf16"].v, pools["bf16+fp32"].v)
+    error = {name: float((outs[name] - outs["fp32"]).abs().max()) for name in ("bf16", "bf16+fp32")}
+    assert error["bf16+fp32"] < error["bf16"], error

@@ -184,3 +184,25 @@ def test_a_cached_choice_whose_tiles_no_longer_hold_is_measured_again(loaded, ca
     monkeypatch.setattr(tuning, "invariant_tiles", lambda weights, sizes: ())  # (another CPU behind the cache)
     _, again = tuning.tuned_model(config, weights, tokenizer, "float32", "smollm2")
     assert not again.cached
+
+
+@pytest.mark.parametrize("faster", ["float32", "bfloat16"])
+def test_a_bfloat16_models_attention_computes_in_the_dtype_measured_faster(loaded, cache, monkeypatch, faster) -> None:
+    config, weights, tokenizer = loaded
+
+    def measured(config, stored, compute):  # type: ignore[no-untyped-def]
+        fast = tuning.DTYPES[faster] == compute
+        return {"1x128": 0.1 if fast else 0.3, "16x2048": 8.0 if fast else 20.0}
+
+    monkeypatch.setattr(tuning, "attention_ms", measured)
+    model, chosen = tuning.tuned_model(config, weights, tokenizer, "bfloat16", "smollm2")
+    assert chosen.attention == faster and model.attention_dtype == tuning.DTYPES[faster]
+    assert chosen.report()["attention_dtype"] == faster and set(chosen.attention_ms) == {"float32", "bfloat16"}
+    model, again = tuning.tuned_model(config, weights, tokenizer, "bfloat16", "smollm2")
+    assert again.cached and model.attention_dtype == tuning.DTYPES[faster]
+
+
+def test_a_float32_models_attention_is_float32_unmeasured(loaded, cache) -> None:
+    config, weights, tokenizer = loaded
+    model, chosen = tuning.tuned_model(config, weights, tokenizer, "float32", "smollm2")
+    assert chosen.attention == "float32" and not chosen.attention_ms and model.attention_dtype == torch.float32
