@@ -180,8 +180,10 @@ class DialogConfig:
     model: str = "smollm2"
     """`smollm2` (the embedded SmolLM2-135M-Instruct GGUF), a `.gguf` file, or a local HF Llama/Qwen2 folder."""
     dtype: str = "auto"
-    """`auto`: float32 or bfloat16, whichever decodes faster on this CPU while keeping the perplexity of a
-    fixed text within 1 % of float32's (measured at the first start, then cached); or force one."""
+    """`auto`: float32, bfloat16 or int4 (bfloat16 with the layers' matrices multiplied in their own 4-bit
+    codes; only for a model stored in 4 bits, as the default is), whichever decodes faster on this CPU while
+    keeping the perplexity of a fixed text within 1 % of float32's (measured at the first start, then
+    cached); or force one."""
     sink_tokens: int = 4
     window_tokens: int = 2044
     """Measured (`duplexd bench llm`, docs/benchmarks.md): on an 8,192-token text a 1020-token window
@@ -247,7 +249,12 @@ class DialogConfig:
             )
         _require(self.remote_timeout_s > 0, "dialog.remote_timeout_s", self.remote_timeout_s, "> 0")
         _require(self.remote_history_chars >= 0, "dialog.remote_history_chars", self.remote_history_chars, ">= 0")
-        _require(self.dtype in ("auto", "float32", "bfloat16"), "dialog.dtype", self.dtype, "auto, float32 or bfloat16")
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "int4"),
+            "dialog.dtype",
+            self.dtype,
+            "auto, float32, bfloat16 or int4",
+        )
         _require(self.sink_tokens >= 0, "dialog.sink_tokens", self.sink_tokens, ">= 0")
         _require(self.window_tokens >= 1, "dialog.window_tokens", self.window_tokens, ">= 1")
         _require(self.max_sessions >= 1, "dialog.max_sessions", self.max_sessions, ">= 1")

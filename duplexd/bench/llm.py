@@ -7,7 +7,9 @@ Everything is measured in one run on this machine, with the same torch thread co
   text with full attention, with a window plus attention sinks, and with a window alone;
 - baseline 1, transformers' own `generate` on the same GGUF weights (batch 1, float32, greedy);
 - baseline 2, the raw matrix-multiply time of this model's weight shapes (`matmul_bound_tok_s`): the most
-  tok/s any engine that multiplies these weights in this dtype with this kernel could reach.
+  tok/s any engine that multiplies these weights in this dtype with this kernel could reach; for "int4"
+  (`int4_bound_tok_s`) the layers' matrices in 4 bits through torch's CPU int4 kernel and the output head
+  in bfloat16, as the engine's int4 dtype runs them.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ Kernel = Literal["gemm", "rowwise"]
 THREADS = 2
 SESSION_COUNTS = (1, 2, 4, 8, 16)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "int4": "int4"}
 KERNELS: tuple[Kernel, ...] = ("gemm", "rowwise")
 PPL_TOKENS = 8192  # the model's context: full attention over exactly this many tokens is valid
 QUICK_TOKENS = 2560  # --quick: perplexity and KV runs still go past the 2048-token window
@@ -168,6 +170,38 @@ def matmul_bound_tok_s(
                         F.linear(x, w)
                     else:
                         torch.bmm(x[:, None, :], w.t().expand(batch, -1, -1))
+
+        result[batch] = batch / _median_s(step, warmup, repeats)
+    return result
+
+
+def int4_bound_tok_s(
+    batch_sizes: Sequence[int], config: LlamaConfig | None = None, *, warmup: int = 1, repeats: int = 5
+) -> dict[int, float]:
+    """Like `matmul_bound_tok_s(..., "gemm")` for the engine's "int4" dtype: every layer matrix of
+    `matmul_shapes` as random 4-bit codes with per-32 scales, multiplied by `kernels.PackedInt4` (one call
+    for the whole batch), and the output head (the last shape) in bfloat16 with `F.linear`."""
+    from duplexd.dialog.kernels import INT4_GROUP, PackedInt4
+
+    shapes = matmul_shapes(config if config is not None else model_config())
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for n, k in shapes[:-1]:
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        scales = torch.rand(n, k // INT4_GROUP, generator=gen) * 0.01
+        layers.append(PackedInt4.pack(codes, scales, -8 * scales, torch.bfloat16))
+    head = torch.empty(shapes[-1], dtype=torch.bfloat16).uniform_(-0.05, 0.05, generator=gen)
+    result: dict[int, float] = {}
+    for batch in batch_sizes:
+        if batch <= 0:
+            raise ValueError(f"batch sizes must be positive, got {batch}")
+        rows = {k: torch.randn(batch, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
+
+        def step(rows: dict[int, torch.Tensor] = rows) -> None:
+            with torch.inference_mode():
+                for (_, k), packed in zip(shapes[:-1], layers, strict=True):
+                    packed.linear(rows[k])
+                F.linear(rows[head.shape[1]], head)
 
         result[batch] = batch / _median_s(step, warmup, repeats)
     return result
@@ -530,15 +564,15 @@ def table(r: dict[str, Any]) -> str:
         f"{f((r['engine_config'] or {}).get('decode_linear'))} (measured at load, offered: "
         f"{', '.join((r['engine_config'] or {}).get('dtypes_offered') or [])})",
         "| sessions | engine tok/s | engine bound (gemm, its dtype) | engine/bound | gemm fp32 | gemm bf16 "
-        "| rowwise bf16 |",
-        "|---|---|---|---|---|---|---|",
+        "| gemm int4 | rowwise bf16 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, v in r["aggregate_tok_s"].items():
         lines.append(
             f"| {n} | {f(v)} | {f(r['engine_bound_tok_s'].get(n))} "
             f"| {f(r['ratios']['aggregate_over_engine_bound'][n])} "
             f"| {f(mm.get('gemm', {}).get('fp32', {}).get(n))} | {f(mm.get('gemm', {}).get('bf16', {}).get(n))} "
-            f"| {f(mm.get('rowwise', {}).get('bf16', {}).get(n))} |"
+            f"| {f(mm.get('gemm', {}).get('int4', {}).get(n))} | {f(mm.get('rowwise', {}).get('bf16', {}).get(n))} |"
         )
     lines += [f"skipped {k}: {v}" for k, v in r["skipped"].items()]
     shared = {k: v["other_cores"] for k, v in r["phases"].items() if (v["other_cores"] or 0.0) > CONTENDED_CORES}
@@ -576,6 +610,8 @@ def run_llm_bench(out: Path, quick: bool, threads: int = THREADS) -> dict[str, A
                 matmul.setdefault(kernel, {})[name] = matmul_bound_tok_s(
                     SESSION_COUNTS, dtype, kernel, config, repeats=1 if quick else 5
                 )
+    with _phase("matmul bound: gemm int4", phases):
+        matmul["gemm"]["int4"] = int4_bound_tok_s(SESSION_COUNTS, config, repeats=1 if quick else 5)
 
     engine = _engine_parts(tokenizer, quick, skipped, phases)
 

@@ -43,7 +43,8 @@ def step_attention(pool: KvPool, head_dim: int, rows: Sequence[tuple[int, Plan, 
         for slot, plan, seg in chunks:
             span = slice(seg.start, seg.start + seg.length)
             k_cache, v_cache = pool.k[layer, slot], pool.v[layer, slot]
-            out[span] = attend_one(k_cache, v_cache, q[span], k[span], v[span], plan, scale, sinks, pool.compute_dtype)
+            cd = pool.compute_dtype(plan.used + seg.length)
+            out[span] = attend_one(k_cache, v_cache, q[span], k[span], v[span], plan, scale, sinks, cd)
         return out
 
     return attend
@@ -65,8 +66,8 @@ class _Bucket:
     index: Tensor  # their positions in the batch
     slots: Tensor
     span: slice | None  # the slots as a slice when they are consecutive (a view instead of a gather)
-    length: int  # cache rows attended (the rest of the slot is unused)
-    mask: Tensor  # [b, 1, 1, length + 1]
+    length: int  # cache rows attended, the new key's among them (the rest of the slot is unused)
+    mask: Tensor  # [b, 1, 1, length]
     sinks_rotated: bool  # its sessions' sinks are scored with their own rotation (they have evicted tokens)
 
 
@@ -74,7 +75,8 @@ class _Bucket:
 class DecodeBatch:
     """One-token rows of several sessions, attended in one batched call per length bucket.
 
-    A row's bucket is its slot's first `bucket_rows(used)` rows and whether its session has evicted tokens
+    A row's bucket is its slot's first `bucket_rows` rows that hold its keys (the new key's row included:
+    it is written to the pool before the bucket attends) and whether its session has evicted tokens
     (only then do its sinks need a rotation of their own): both depend on its own session only, so its
     shapes, and its numbers, are the same whatever else is in the step. Unused rows are masked, and the
     matmuls are per (session, KV head).
@@ -90,15 +92,17 @@ class DecodeBatch:
     def build(cls, pool: KvPool, slots: list[int], plans: list[Plan]) -> DecodeBatch:
         capacity = pool.window.capacity
         by_length: dict[tuple[int, bool], list[int]] = {}
+        rows = [int(plan.rows[0]) for plan in plans]
         for i, plan in enumerate(plans):
-            by_length.setdefault((bucket_rows(plan.used, capacity), plan.rot_sink is not None), []).append(i)
+            length = bucket_rows(max(plan.used, rows[i] + 1), capacity)  # (the new key's row is attended too)
+            by_length.setdefault((length, plan.rot_sink is not None), []).append(i)
         buckets = []
         for (length, sinks_rotated), members in sorted(by_length.items()):
-            mask = torch.full((len(members), length + 1), float("-inf"))
+            mask = torch.full((len(members), length), float("-inf"))
             for j, i in enumerate(members):
                 plan = plans[i]
                 mask[j, : plan.used] = plan.mask[0, : plan.used]
-                mask[j, length] = plan.mask[0, plan.used]
+                mask[j, rows[i]] = plan.mask[0, plan.used]  # (over the evicted token it replaces, if any)
             ids = [slots[i] for i in members]
             consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
             buckets.append(
@@ -122,20 +126,22 @@ class DecodeBatch:
         )
 
     def attend(self, pool: KvPool, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: int) -> Tensor:
-        """`q[B, H, D]`, `k`/`v[B, Hkv, D]` (pre-RoPE) -> `[B, H, D]`; the new keys/values go into the pool.
-        The arithmetic runs in `pool.compute_dtype` (the cache rows read are cast to it: elementwise)."""
+        """`q[B, H, D]`, `k`/`v[B, Hkv, D]` (pre-RoPE) -> `[B, H, D]`; the new keys/values go into the pool
+        first, then each bucket attends over its rows (the new one among them) in one matmul for the scores
+        and one for the values. Each bucket's arithmetic runs in `pool.compute_dtype(its rows)` (cache rows
+        cast to it)."""
         b, heads, dim = q.shape
-        kv_heads, group, cd = k.shape[1], heads // k.shape[1], pool.compute_dtype
-        rotated = apply_rope(torch.cat([q, k], dim=1), self.rot_abs, cd)  # (one call: the same rotation)
+        kv_heads, group = k.shape[1], heads // k.shape[1]
+        rotated = apply_rope(torch.cat([q, k], dim=1), self.rot_abs, torch.float32)  # (one call: one rotation)
         q_abs = rotated[:, :heads].view(b, kv_heads, group, dim)
-        k_stored = rotated[:, heads:].to(pool.k.dtype)  # [B, Hkv, D]: the new key as the cache will hold it
-        k_new, v_new = k_stored.to(cd).unsqueeze(2), v.to(cd).unsqueeze(2)  # [B, Hkv, 1, D]
+        pool.k[layer, self.slots, :, self.rows] = rotated[:, heads:].to(pool.k.dtype)
+        pool.v[layer, self.slots, :, self.rows] = v.to(pool.v.dtype)
         rotate_sinks = sinks and any(bucket.sinks_rotated for bucket in self.buckets)
-        q_sink = apply_rope(q, self.rot_sink, cd).view(b, kv_heads, group, dim) if rotate_sinks else None
+        q_sink = apply_rope(q, self.rot_sink).float().view(b, kv_heads, group, dim) if rotate_sinks else None
         out = q_abs.new_empty(b, kv_heads, group, dim) if len(self.buckets) > 1 else None
         for bucket in self.buckets:
             whole = out is None
-            rows = slice(None) if whole else bucket.index
+            cd = pool.compute_dtype(bucket.length)
             if bucket.span is not None:
                 k_cache = pool.k[layer, bucket.span, :, : bucket.length]
                 v_cache = pool.v[layer, bucket.span, :, : bucket.length]
@@ -144,20 +150,18 @@ class DecodeBatch:
                 k_cache = pool.k[layer, :, :, : bucket.length].index_select(0, bucket.slots)
                 v_cache = pool.v[layer, :, :, : bucket.length].index_select(0, bucket.slots)
             k_cache, v_cache = k_cache.to(cd), v_cache.to(cd)
-            qa, kn, vn = q_abs[rows], k_new[rows], v_new[rows]
-            scores = [qa @ k_cache.transpose(-1, -2), qa @ kn.transpose(-1, -2)]
+            qa = (q_abs if whole else q_abs[bucket.index]).to(cd)
+            scores = qa @ k_cache.transpose(-1, -2)
             if q_sink is not None and bucket.sinks_rotated:
-                scores[0][..., :sinks] = q_sink[rows] @ k_cache[:, :, :sinks].transpose(-1, -2)
-            probs = attention_weights(torch.cat(scores, dim=-1), scale, bucket.mask, cd)
-            part = probs[..., : bucket.length] @ v_cache + probs[..., bucket.length :] * vn
+                qs = (q_sink if whole else q_sink[bucket.index]).to(cd)
+                scores[..., :sinks] = qs @ k_cache[:, :, :sinks].transpose(-1, -2)
+            part = attention_weights(scores, scale, bucket.mask, cd) @ v_cache
             if whole:
                 out = part
             else:
                 assert out is not None
-                out[bucket.index] = part
+                out[bucket.index] = part.to(out.dtype)
         assert out is not None
-        pool.k[layer, self.slots, :, self.rows] = k_stored
-        pool.v[layer, self.slots, :, self.rows] = v
         return out.reshape(b, heads, dim).to(q.dtype)
 
 

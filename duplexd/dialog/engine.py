@@ -221,7 +221,7 @@ class DialogEngine:
             window=self.config.window,
             slots=self.config.max_sessions,
             dtype=model.tok_embeddings.weight.dtype,
-            compute_dtype=model.attention_dtype,
+            compute_dtype=model.attention_dtypes or None,
         )
         self.rope = RopeTable(mc.head_dim, mc.rope_theta, cached=max(8192, mc.context_length))
         self.format = ChatFormat.from_tokenizer(tokenizer, self.config.system_prompt)
@@ -255,8 +255,10 @@ class DialogEngine:
         config = config or EngineConfig()
         torch.set_num_threads(config.torch_threads)  # (the tuning below measures with them)
         t0 = time.perf_counter()
-        model_config, weights, tokenizer = load_weights(config.model)
-        model, tuning = tuned_model(model_config, weights, tokenizer, config.dtype, config.model)
+        loaded = load_weights(config.model)
+        model, tuning = tuned_model(
+            loaded.config, loaded.weights, loaded.tokenizer, config.dtype, config.model, loaded.blocks
+        )
         log.info(
             "dialog model %s loaded in %.1fs: %s, decode %s (%s in %.1fs)",
             config.model,
@@ -266,7 +268,7 @@ class DialogEngine:
             "measured before" if tuning.cached else "measured now",
             tuning.seconds,
         )
-        engine = cls(model, tokenizer, config)
+        engine = cls(model, loaded.tokenizer, config)
         engine.tuning = tuning.report()
         return engine
 

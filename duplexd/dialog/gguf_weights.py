@@ -239,6 +239,54 @@ def _our_name(gguf_name: str) -> str:
     return f"layers.{int(layer)}.{per_layer[rest]}"
 
 
+FOUR_BIT_GROUP = 32  # elements per block of GGUF's Q4_0 and Q4_1
+
+
+@dataclass(frozen=True, slots=True)
+class FourBitBlocks:
+    """A Q4_0 or Q4_1 weight as stored: `weight[n, k] = scales[n, k // 32] * codes[n, k] + mins[n, k // 32]`.
+
+    `codes[N, K]` uint8 in 0..15; `scales`, `mins` `[N, K / 32]` float16 (Q4_0: `mins = -8 * scales`, exact
+    in float32). These are the model's own numbers: `kernels.PackedInt4` multiplies by them directly.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 `[N, K]`, as `gguf.quants.dequantize` computes it (`d * q + m` in float32)."""
+        group = self.codes.shape[1] // self.scales.shape[1]
+        scales = self.scales.float().repeat_interleave(group, dim=1)
+        mins = self.mins.float().repeat_interleave(group, dim=1)
+        return scales * self.codes.float() + mins
+
+
+def read_four_bit_blocks(reader: GGUFReader) -> dict[str, FourBitBlocks]:
+    """The Q4_0/Q4_1 tensors' blocks, undequantized, keyed by `model.Transformer` parameter names."""
+    out: dict[str, FourBitBlocks] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in ("Q4_0", "Q4_1"):
+            continue
+        rows = np.asarray(t.data, dtype=np.uint8)  # [N, blocks * bytes per block]
+        head = 4 if kind == "Q4_1" else 2  # (d, and m for Q4_1: float16 each) before 16 bytes of codes
+        blocks = rows.reshape(rows.shape[0], -1, head + FOUR_BIT_GROUP // 2)
+        scales = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0]
+        if kind == "Q4_1":
+            mins = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0]
+        else:
+            mins = (-8 * scales.astype(np.float32)).astype(np.float16)  # (exact: a power of two times a half)
+        packed = blocks[:, :, head:]  # element j in the low nibble of byte j, element j + 16 in the high
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2).reshape(rows.shape[0], -1)
+        out[_our_name(t.name)] = FourBitBlocks(
+            codes=torch.from_numpy(np.ascontiguousarray(codes)),
+            scales=torch.from_numpy(np.ascontiguousarray(scales)),
+            mins=torch.from_numpy(np.ascontiguousarray(mins)),
+        )
+    return out
+
+
 def read_weights(reader: GGUFReader) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to float32, keyed by `model.Transformer` parameter names.
 

@@ -13,13 +13,18 @@ step: that is what makes speculative drafts lossless and replies reproducible. T
 
 `choose` measures both on this machine and picks the fastest invariant one; machines differ (one CPU has
 fast bfloat16 matmuls and rows equal at every M >= 4, another varies at every M), so nothing is assumed.
+
+Either way a weight may be multiplied in its 4-bit form (`PackedInt4`: the GGUF's own Q4_0/Q4_1 codes, with
+their per-32 scales, through torch's CPU int4 kernel): decode is memory-bound, and a 4-bit weight is a
+quarter of a bfloat16 one (a whole SmolLM2-135M step's layer matmuls at one row: 3.8 ms against 31.5 ms
+for bfloat16, measured on a 2-vCPU AVX512-BF16 EPYC). The same self-test decides its tiles.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,20 +50,64 @@ def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     return out if bias is None else out + bias
 
 
+INT4_GROUP = 32  # elements per scale: GGUF's Q4_0/Q4_1 block
+
+
+@dataclass(frozen=True, slots=True)
+class PackedInt4:
+    """A weight `[N, K]` as torch's CPU int4 kernel takes it: `w = (code - 8) * scale + zero` per group of 32
+    along K. Built from a GGUF block's `w = d * code + m` with `scale = d`, `zero = m + 8 d`, so the codes are
+    the file's own; the scales and zeros are rounded to the activations' dtype (the kernel's requirement)."""
+
+    packed: Tensor  # uint8, `_convert_weight_to_int4pack_for_cpu`'s layout
+    scales_and_zeros: Tensor  # [K / group, N, 2] in the activations' dtype
+    out_features: int
+
+    @classmethod
+    def pack(cls, codes: Tensor, scales: Tensor, mins: Tensor, dtype: torch.dtype) -> PackedInt4:
+        """`codes[N, K]` (0..15), `scales`, `mins` `[N, K / 32]`: `w = scales * codes + mins` per group."""
+        if codes.shape[1] != INT4_GROUP * scales.shape[1]:
+            raise ValueError(f"{codes.shape[1]} columns are not {scales.shape[1]} groups of {INT4_GROUP}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        d, m = scales.double(), mins.double()
+        scales_and_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).to(dtype).contiguous()
+        return cls(packed, scales_and_zeros, codes.shape[0])
+
+    def dense(self) -> Tensor:
+        """The weight the kernel multiplies by, `[N, K]` (read back through the kernel itself, so rounded to
+        the activations' dtype; float32 tensor)."""
+        eye = torch.eye(self.scales_and_zeros.shape[0] * INT4_GROUP, dtype=self.scales_and_zeros.dtype)
+        return self.linear(eye).float().t().contiguous()
+
+    def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+        return out if bias is None else out + bias
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeLinear:
     """`F.linear` for one-token rows, batch-invariant. `tiles`: the row counts a call may have (rows are
     padded with zeros up to the smallest that holds them; more rows than the largest are cut into tiles of
-    the largest); empty: rowwise."""
+    the largest); empty: rowwise. `int4`: weights (by `id`) multiplied in their 4-bit form instead, each
+    kept beside its dense tensor (which also holds the `id`)."""
 
     tiles: tuple[int, ...] = ()
+    int4: Mapping[int, tuple[Tensor, PackedInt4]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def name(self) -> str:
-        return "rowwise" if not self.tiles else "tiles " + "/".join(map(str, self.tiles))
+        name = "rowwise" if not self.tiles else "tiles " + "/".join(map(str, self.tiles))
+        return name + (" int4" if self.int4 else "")
+
+    def plain(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """One untiled call: the 4-bit kernel for a weight packed here, else `F.linear`."""
+        packed = self.int4.get(id(weight))
+        return F.linear(x, weight, bias) if packed is None else packed[1].linear(x, bias)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if not self.tiles or not x.shape[0]:
+            if id(weight) in self.int4 and x.shape[0]:
+                return torch.cat([self.plain(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
             return rowwise_linear(x, weight, bias)
         n, biggest = x.shape[0], self.tiles[-1]
         outs = []
@@ -67,7 +116,7 @@ class DecodeLinear:
             tile = next(t for t in self.tiles if t >= part.shape[0])
             if tile > part.shape[0]:
                 part = torch.cat([part, part.new_zeros(tile - part.shape[0], part.shape[1])])
-            outs.append(F.linear(part, weight, bias))
+            outs.append(self.plain(part, weight, bias))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out[:n]
 
@@ -76,11 +125,16 @@ ROWWISE = DecodeLinear()
 
 
 def invariant_tiles(
-    weights: Sequence[tuple[Tensor, Tensor | None]], sizes: Sequence[int] = TILE_SIZES, trials: int = 3
+    weights: Sequence[tuple[Tensor, Tensor | None]],
+    sizes: Sequence[int] = TILE_SIZES,
+    trials: int = 3,
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None,
 ) -> tuple[int, ...]:
     """The tile sizes among `sizes` whose rows are bitwise equal to the largest size's, for every weight,
     whatever the other rows and the row's position (the largest itself included only if it passes that).
+    `linear`: the untiled multiply tested (default `F.linear`; `DecodeLinear.plain` for 4-bit weights).
     Random rows, a fixed seed: the same test on every start."""
+    linear = linear or F.linear
     gen = torch.Generator().manual_seed(0)
     largest = max(sizes)
     keep = set(sizes)
@@ -88,12 +142,12 @@ def invariant_tiles(
         dim = weight.shape[1]
         for _ in range(trials):
             row = torch.randn(1, dim, generator=gen).to(weight.dtype)
-            alone = F.linear(torch.cat([row, row.new_zeros(largest - 1, dim)]), weight, bias)[0]
+            alone = linear(torch.cat([row, row.new_zeros(largest - 1, dim)]), weight, bias)[0]
             for size in sorted(keep):
                 others = torch.randn(size, dim, generator=gen).to(weight.dtype)
                 position = int(torch.randint(size, (1,), generator=gen))
                 others[position] = row[0]
-                if not torch.equal(F.linear(others, weight, bias)[position], alone):
+                if not torch.equal(linear(others, weight, bias)[position], alone):
                     keep.discard(size)
             if largest not in keep:
                 return ()
@@ -134,22 +188,25 @@ def step_ms(
 def choose(
     layers: Sequence[tuple[Tensor, Tensor | None, int]],
     timed: Sequence[tuple[Tensor, Tensor | None, int]] | None = None,
+    int4: Mapping[int, tuple[Tensor, PackedInt4]] | None = None,
 ) -> KernelChoice:
     """The fastest batch-invariant decode kernel for these weights (`(weight, bias, uses per step)`) on this
     CPU: each invariant tile set (self-tested on `layers`), and rowwise, timed over `timed` (default
     `layers`) at every `PROBE_ROWS` batch size; the one whose worst ratio to the best at any size is
-    smallest (`least_worst_ratio`)."""
+    smallest (`least_worst_ratio`). With `int4`, every option multiplies those weights in 4 bits."""
     weights = [(w, b) for w, b, _ in layers]
     timed = layers if timed is None else timed
-    options: dict[str, DecodeLinear] = {ROWWISE.name: ROWWISE}
-    choice = KernelChoice(ROWWISE)
+    int4 = int4 or {}
+    rowwise = DecodeLinear((), int4) if int4 else ROWWISE
+    options: dict[str, DecodeLinear] = {rowwise.name: rowwise}
+    choice = KernelChoice(rowwise)
     # The largest tile set that holds: below its largest tile a smaller set makes the same calls, and at 16
     # rows one tile of 16 was no slower than two of 8 (AVX2 EPYC: bfloat16 310 vs 308 ms, float32 187 vs 312).
     for largest in (16, 8, 4):
         sizes = tuple(s for s in TILE_SIZES if s <= largest)
-        tiles = invariant_tiles(weights, sizes)
+        tiles = invariant_tiles(weights, sizes, linear=rowwise.plain)
         if tiles:
-            options[DecodeLinear(tiles).name] = DecodeLinear(tiles)
+            options[DecodeLinear(tiles, int4).name] = DecodeLinear(tiles, int4)
             break
     for name, kernel in options.items():
         choice.step_ms[name] = {n: step_ms(kernel, timed, n) for n in PROBE_ROWS}

@@ -17,6 +17,7 @@ windowed attention is plain causal attention until the context outgrows the wind
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,9 @@ class SlotTable:
 
 class KvPool:
     """Keys and values for `slots` sessions: `k`, `v` of shape `[layers, slots, kv_heads, S + W, head_dim]`,
-    stored in `dtype`; attention over them computes in `compute_dtype` (default `dtype`: see `tuning`)."""
+    stored in `dtype`. Attention over them computes in `compute_dtype` (default `dtype`), or, given a mapping
+    `{rows: dtype}`, over at most `rows` cache rows in that dtype (the largest key's covers longer spans):
+    small matmuls and long ones may each be faster in another dtype (`tuning.attention_ms`)."""
 
     def __init__(
         self,
@@ -90,16 +93,28 @@ class KvPool:
         window: WindowConfig,
         slots: int,
         dtype: torch.dtype,
-        compute_dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | Mapping[int, torch.dtype] | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"a KV pool needs at least one slot, got {slots}")
         shape = (layers, slots, kv_heads, window.capacity, head_dim)
         self.window = window
-        self.compute_dtype = dtype if compute_dtype is None else compute_dtype
+        if compute_dtype is None or isinstance(compute_dtype, torch.dtype):
+            self._arithmetic: tuple[tuple[int, torch.dtype], ...] = ((0, compute_dtype or dtype),)
+        elif compute_dtype:
+            self._arithmetic = tuple(sorted(compute_dtype.items()))
+        else:
+            self._arithmetic = ((0, dtype),)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self._table = SlotTable(slots, "KV slot")
+
+    def compute_dtype(self, rows: int) -> torch.dtype:
+        """The dtype attention over `rows` cache rows computes in."""
+        for up_to, dtype in self._arithmetic:
+            if rows <= up_to:
+                return dtype
+        return self._arithmetic[-1][1]
 
     @property
     def slots(self) -> int:

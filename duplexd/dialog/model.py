@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from gguf import GGUFReader
 from torch import Tensor, nn
 
-from duplexd.dialog.gguf_weights import LlamaConfig, open_gguf, read_config, read_weights
-from duplexd.dialog.kernels import ROWWISE, DecodeLinear
+from duplexd.dialog.gguf_weights import FourBitBlocks, LlamaConfig, open_gguf, read_config, read_weights
+from duplexd.dialog.kernels import ROWWISE, DecodeLinear, PackedInt4
 from duplexd.errors import EngineError
 
 
@@ -167,7 +167,8 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.decode_linear = ROWWISE  # one-token rows' kernel (`kernels.choose` measures a faster one at load)
-        self.attention_dtype: torch.dtype | None = None  # attention's arithmetic (None: the weights'; `tuning`)
+        # decode attention's arithmetic by the cache rows it spans (empty: the weights' dtype; `tuning`)
+        self.attention_dtypes: dict[int, torch.dtype] = {}
 
     def decode_layers(self) -> list[tuple[Tensor, Tensor | None, int]]:
         """The weights a decode step multiplies one-token rows by, one per shape, each with its uses per step
@@ -187,6 +188,31 @@ class Transformer(nn.Module):
             for m in (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2):
                 out.append((m.weight, m.bias, 1))
         return out + [(self.output.weight, None, 1)]
+
+    def pack_int4(self, blocks: Mapping[str, FourBitBlocks]) -> dict[int, tuple[Tensor, PackedInt4]]:
+        """Every layer's matrices in their 4-bit form (`blocks`: the GGUF's Q4_0/Q4_1 blocks by parameter
+        name, fused as the dense weights are), for `DecodeLinear(tiles, int4=...)`. Each dense weight is
+        replaced by exactly the numbers its packed form multiplies by (so prefill chunks, which use the dense
+        weights, compute with the same model as decode rows). Raises `KeyError` for a matrix not in 4 bits."""
+        parts = {
+            part: fuse_projections(self.config, {name: getattr(b, part) for name, b in blocks.items()})
+            for part in ("codes", "scales", "mins")
+        }
+        dtype = self.tok_embeddings.weight.dtype
+        packed: dict[int, tuple[Tensor, PackedInt4]] = {}
+        for i, layer in enumerate(self.layers):
+            block: TransformerBlock = layer  # type: ignore[assignment]
+            for name, linear in (
+                ("attention.wqkv", block.attention.wqkv),
+                ("attention.wo", block.attention.wo),
+                ("feed_forward.w13", block.feed_forward.w13),
+                ("feed_forward.w2", block.feed_forward.w2),
+            ):
+                key = f"layers.{i}.{name}.weight"
+                four = PackedInt4.pack(parts["codes"][key], parts["scales"][key], parts["mins"][key], dtype)
+                linear.weight = nn.Parameter(four.dense().to(dtype), requires_grad=False)
+                packed[id(linear.weight)] = (linear.weight, four)
+        return packed
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Causal logits `[B, T, vocab]` for `tokens[B, T]` at positions 0..T-1 (full attention)."""

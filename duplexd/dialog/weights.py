@@ -7,7 +7,10 @@ memory-map the tensors (`torch.load(mmap=True, weights_only=True)`) and never op
 written through a temporary name and an atomic rename, the JSON last, so an entry without its JSON is a miss;
 an entry that fails to load or does not match its config is converted again.
 
-Hugging Face folders are read directly (`hf_weights`): their safetensors are already floats.
+The cache also keeps the Q4_0/Q4_1 matrices' own blocks (`gguf_weights.FourBitBlocks`: codes two to a byte,
+float16 scales and mins), which the int4 decode kernel multiplies by directly (`tuning`).
+
+Hugging Face folders are read directly (`hf_weights`): their safetensors are already floats (no blocks).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, NamedTuple
 
 import torch
@@ -28,10 +32,12 @@ from tokenizers import Tokenizer
 
 from duplexd.dialog.gguf_weights import (
     ChatTokenizer,
+    FourBitBlocks,
     LlamaConfig,
     check_state_dict,
     open_gguf,
     read_config,
+    read_four_bit_blocks,
     read_tokenizer,
     read_weights,
 )
@@ -46,11 +52,13 @@ DEFAULT_SOURCE = "smollm2"
 
 
 class LoadedWeights(NamedTuple):
-    """A model's shape, its float32 state dict (`model.Transformer` names) and its tokenizer."""
+    """A model's shape, its float32 state dict (`model.Transformer` names), its tokenizer, and the 4-bit
+    blocks its quantized matrices were stored in (same names; empty for a model of floats)."""
 
     config: LlamaConfig
     weights: dict[str, torch.Tensor]
     tokenizer: ChatTokenizer
+    blocks: Mapping[str, FourBitBlocks] = MappingProxyType({})
 
 
 def load_weights(source: str | Path = DEFAULT_SOURCE) -> LoadedWeights:
@@ -97,11 +105,12 @@ def _read_converted(tensors_path: Path, meta_path: Path) -> LoadedWeights:
         eos_id=int(meta["eos_id"]),
         chat_template=str(meta["chat_template"]),
     )
-    weights = torch.load(tensors_path, map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(weights, dict):
-        raise EngineError(f"{tensors_path.name} holds a {type(weights).__name__}, not a state dict")
+    saved = torch.load(tensors_path, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(saved, dict) or not isinstance(saved.get("weights"), dict):
+        raise EngineError(f"{tensors_path.name} holds no state dict")
+    weights = saved["weights"]
     check_state_dict(weights, config, tensors_path.name)
-    return LoadedWeights(config, weights, tokenizer)
+    return LoadedWeights(config, weights, tokenizer, _unpack_blocks(saved.get("blocks", {}), weights))
 
 
 def _convert(gguf: Path, tensors_path: Path, meta_path: Path) -> LoadedWeights:
@@ -111,6 +120,7 @@ def _convert(gguf: Path, tensors_path: Path, meta_path: Path) -> LoadedWeights:
     config = read_config(reader)
     tokenizer = read_tokenizer(reader)
     weights = read_weights(reader)
+    blocks = read_four_bit_blocks(reader)
     check_state_dict(weights, config, gguf.name)
     meta = {
         "format": CONVERTED_FORMAT,
@@ -123,14 +133,36 @@ def _convert(gguf: Path, tensors_path: Path, meta_path: Path) -> LoadedWeights:
     }
     try:
         tensors_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(tensors_path, lambda out: torch.save(weights, out))
+        saved = {"weights": weights, "blocks": _pack_blocks(blocks)}
+        _write_atomic(tensors_path, lambda out: torch.save(saved, out))
         _write_atomic(meta_path, lambda out: out.write(json.dumps(meta).encode("utf-8")))
         _remove_stale(gguf, keep=(tensors_path, meta_path))
     except OSError as exc:  # a read-only or full cache only costs the next start another conversion
         log.warning("could not cache converted weights at %s: %s", tensors_path, exc)
     else:
         log.info("converted %s in %.1fs into %s", gguf.name, time.perf_counter() - start_s, tensors_path)
-    return LoadedWeights(config, weights, tokenizer)
+    return LoadedWeights(config, weights, tokenizer, blocks)
+
+
+def _pack_blocks(blocks: Mapping[str, FourBitBlocks]) -> dict[str, dict[str, torch.Tensor]]:
+    """Codes two to a byte (even column low) for the file: half the bytes of one code per byte."""
+    return {
+        name: {"codes": b.codes[:, 0::2] | (b.codes[:, 1::2] << 4), "scales": b.scales, "mins": b.mins}
+        for name, b in blocks.items()
+    }
+
+
+def _unpack_blocks(saved: object, weights: Mapping[str, torch.Tensor]) -> dict[str, FourBitBlocks]:
+    if not isinstance(saved, dict):
+        raise EngineError("the converted weights' 4-bit blocks are not a mapping")
+    blocks = {}
+    for name, b in saved.items():
+        pairs = b["codes"]
+        codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).flatten(1)
+        if name not in weights or codes.shape != weights[name].shape:
+            raise EngineError(f"4-bit blocks of {name!r} do not match its weight")
+        blocks[name] = FourBitBlocks(codes=codes, scales=b["scales"], mins=b["mins"])
+    return blocks
 
 
 def _write_atomic(target: Path, write: Callable[[IO[bytes]], object]) -> None:

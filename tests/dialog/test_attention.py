@@ -16,6 +16,16 @@ HEADS, KV_HEADS, DIM = 4, 2, 16
 ROPE = RopeTable(head_dim=DIM, theta=10000.0, cached=4096)
 
 
+def test_a_pool_computes_in_the_dtype_given_for_the_rows_attended() -> None:
+    by_rows = KvPool(
+        layers=1, kv_heads=1, head_dim=8, window=WINDOW, slots=1, dtype=torch.bfloat16,
+        compute_dtype={512: torch.bfloat16, 128: torch.float32},
+    )  # fmt: skip
+    assert [by_rows.compute_dtype(n) for n in (1, 128, 129, 512, 2048)] == [torch.float32] * 2 + [torch.bfloat16] * 3
+    one = KvPool(layers=1, kv_heads=1, head_dim=8, window=WINDOW, slots=1, dtype=torch.bfloat16)
+    assert one.compute_dtype(1) == one.compute_dtype(4096) == torch.bfloat16
+
+
 def test_a_bucket_is_the_used_rows_rounded_up_within_the_slot() -> None:
     capacity = WINDOW.capacity
     assert bucket_rows(0, capacity) == BUCKET_ROWS
@@ -46,8 +56,14 @@ def _pool_with(
     return pool, states
 
 
-# (stored dtype, compute dtype): float32; bfloat16; bfloat16 stored and computed in float32 (`tuning`)
-DTYPE_PAIRS = [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)]
+# (stored dtype, compute dtype): float32; bfloat16; bfloat16 stored and computed in float32 (`tuning`); and
+# by length: float32 for buckets up to 256 rows, bfloat16 beyond
+DTYPE_PAIRS = [
+    (torch.float32, None),
+    (torch.bfloat16, None),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, {256: torch.float32, 2048: torch.bfloat16}),
+]
 
 
 @pytest.mark.parametrize(("dtype", "compute"), DTYPE_PAIRS)

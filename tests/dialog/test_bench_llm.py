@@ -64,6 +64,13 @@ def test_matmul_bound_on_the_real_shapes(reader: GGUFReader) -> None:
     assert set(result) == {1, 2} and all(v > 0 for v in result.values())
 
 
+def test_int4_bound_is_positive_for_each_batch_size() -> None:
+    result = llm.int4_bound_tok_s((1, 3), TINY, warmup=0, repeats=1)
+    assert set(result) == {1, 3} and all(0 < v < float("inf") for v in result.values())
+    with pytest.raises(ValueError, match="batch sizes must be positive, got 0"):
+        llm.int4_bound_tok_s((0,), TINY)
+
+
 def test_matmul_bound_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="kernel must be one of"):
         llm.matmul_bound_tok_s((1,), torch.float32, "nope", TINY)  # type: ignore[arg-type]
@@ -195,6 +202,16 @@ def test_report_has_every_key_and_its_ratios(tmp_path: Path) -> None:
     shown = llm.table(result)
     assert "| 16 |" in shown and "ratio 2.00" in shown
     assert "during transformers generate (1.50)" in shown and "engine: load" not in shown
+
+
+def test_an_int4_engine_is_measured_against_the_int4_bound() -> None:
+    measured = _measurements(engine=True)
+    measured["engine"]["tuning"] = {**measured["engine"]["tuning"], "dtype": "int4", "decode_linear": "tiles 1/2 int4"}
+    measured["matmul"]["gemm"]["int4"] = {n: 40.0 for n in (1, 2, 4, 8, 16)}
+    result = llm.report(**measured)
+    assert result["engine_bound_tok_s"] == result["matmul_bound_tok_s"]["gemm"]["int4"]
+    assert result["ratios"]["aggregate_over_engine_bound"]["1"] == pytest.approx(0.25)
+    assert "| gemm int4 |" in llm.table(result)
 
 
 def test_report_without_engine_or_transformers_is_null_with_reasons() -> None:

@@ -114,7 +114,7 @@ def cache(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
 
 
 def test_auto_measures_both_dtypes_keeps_the_choice_and_reuses_it(loaded, cache) -> None:
-    config, weights, tokenizer = loaded
+    config, weights, tokenizer, _ = loaded
     model, first = tuning.tuned_model(config, weights, tokenizer, "auto", "smollm2")
     assert first.dtypes_offered == ["float32", "bfloat16"] and not first.cached
     assert model.tok_embeddings.weight.dtype == tuning.DTYPES[first.dtype]
@@ -130,7 +130,7 @@ def test_auto_measures_both_dtypes_keeps_the_choice_and_reuses_it(loaded, cache)
 
 
 def test_decode_weights_are_every_layers_own_in_step_order(loaded) -> None:
-    config, weights, _ = loaded
+    config, weights, _, _ = loaded
     from duplexd.dialog.model import Transformer
 
     model = Transformer.from_state_dict(config, weights)
@@ -142,14 +142,14 @@ def test_decode_weights_are_every_layers_own_in_step_order(loaded) -> None:
 
 
 def test_auto_takes_the_dtype_that_pays_least_at_its_worst_batch_size(loaded, cache, monkeypatch) -> None:
-    config, weights, tokenizer = loaded
+    config, weights, tokenizer, _ = loaded
     # float32 faster at 16 rows (and in total), bfloat16 twice as fast at one: the latter is taken.
     fake = {
         torch.float32: {1: 60.0, 2: 70.0, 4: 90.0, 8: 120.0, 16: 200.0},
         torch.bfloat16: {1: 30.0, 2: 40.0, 4: 70.0, 8: 140.0, 16: 290.0},
     }
 
-    def timed(layers, timed=None):  # type: ignore[no-untyped-def]
+    def timed(layers, timed=None, int4=None):  # type: ignore[no-untyped-def]
         return kernels.KernelChoice(ROWWISE, {"rowwise": dict(fake[layers[0][0].dtype])})
 
     monkeypatch.setattr(tuning, "choose", timed)
@@ -161,7 +161,7 @@ def test_auto_takes_the_dtype_that_pays_least_at_its_worst_batch_size(loaded, ca
 
 
 def test_a_forced_dtype_is_used_and_its_kernel_still_measured(loaded, cache) -> None:
-    config, weights, tokenizer = loaded
+    config, weights, tokenizer, _ = loaded
     model, chosen = tuning.tuned_model(config, weights, tokenizer, "float32", "smollm2")
     assert chosen.dtype == "float32" and chosen.dtypes_offered == ["float32"] and not chosen.perplexity
     assert model.tok_embeddings.weight.dtype == torch.float32
@@ -169,7 +169,7 @@ def test_a_forced_dtype_is_used_and_its_kernel_still_measured(loaded, cache) -> 
 
 
 def test_bfloat16_is_refused_when_it_costs_perplexity(loaded, cache, monkeypatch) -> None:
-    config, weights, tokenizer = loaded
+    config, weights, tokenizer, _ = loaded
     worse = {torch.float32: 10.0, torch.bfloat16: 10.2}  # 2 % worse: over the 1 % tolerance
     monkeypatch.setattr(tuning, "perplexity", lambda model, ids: worse[model.tok_embeddings.weight.dtype])
     _, chosen = tuning.tuned_model(config, weights, tokenizer, "auto", "smollm2")
@@ -177,32 +177,125 @@ def test_bfloat16_is_refused_when_it_costs_perplexity(loaded, cache, monkeypatch
 
 
 def test_a_cached_choice_whose_tiles_no_longer_hold_is_measured_again(loaded, cache, monkeypatch) -> None:
-    config, weights, tokenizer = loaded
+    config, weights, tokenizer, _ = loaded
     _, first = tuning.tuned_model(config, weights, tokenizer, "float32", "smollm2")
     if not first.tiles:
         pytest.skip("rowwise was chosen: there are no tiles to re-check")
-    monkeypatch.setattr(tuning, "invariant_tiles", lambda weights, sizes: ())  # (another CPU behind the cache)
+    monkeypatch.setattr(tuning, "invariant_tiles", lambda weights, sizes, **kw: ())  # (another CPU behind it)
     _, again = tuning.tuned_model(config, weights, tokenizer, "float32", "smollm2")
     assert not again.cached
 
 
-@pytest.mark.parametrize("faster", ["float32", "bfloat16"])
-def test_a_bfloat16_models_attention_computes_in_the_dtype_measured_faster(loaded, cache, monkeypatch, faster) -> None:
-    config, weights, tokenizer = loaded
+@pytest.mark.parametrize(
+    ("float32_up_to", "expected"),
+    [
+        (4096, {"128": "float32", "512": "float32", "2048": "float32"}),
+        (512, {"128": "float32", "512": "float32", "2048": "bfloat16"}),
+        (0, {"128": "bfloat16", "512": "bfloat16", "2048": "bfloat16"}),
+    ],
+)
+def test_a_bfloat16_models_attention_computes_in_the_dtype_measured_faster_at_each_length(
+    loaded, cache, monkeypatch, float32_up_to, expected
+) -> None:
+    config, weights, tokenizer, _ = loaded
 
     def measured(config, stored, compute):  # type: ignore[no-untyped-def]
-        fast = tuning.DTYPES[faster] == compute
-        return {"1x128": 0.1 if fast else 0.3, "16x2048": 8.0 if fast else 20.0}
+        def ms(sessions: int, rows: int) -> float:
+            fast = (compute == torch.float32) == (rows <= float32_up_to)
+            return sessions * rows * (0.001 if fast else 0.003)
+
+        return {f"{s}x{r}": ms(s, r) for s in tuning.ATTENTION_SESSIONS for r in tuning.ATTENTION_ROWS}
 
     monkeypatch.setattr(tuning, "attention_ms", measured)
     model, chosen = tuning.tuned_model(config, weights, tokenizer, "bfloat16", "smollm2")
-    assert chosen.attention == faster and model.attention_dtype == tuning.DTYPES[faster]
-    assert chosen.report()["attention_dtype"] == faster and set(chosen.attention_ms) == {"float32", "bfloat16"}
+    by_rows = {int(rows): tuning.ARITHMETIC[name] for rows, name in expected.items()}
+    assert chosen.attention == expected and model.attention_dtypes == by_rows
+    assert chosen.report()["attention_dtype"] == expected and set(chosen.attention_ms) == {"float32", "bfloat16"}
     model, again = tuning.tuned_model(config, weights, tokenizer, "bfloat16", "smollm2")
-    assert again.cached and model.attention_dtype == tuning.DTYPES[faster]
+    assert again.cached and model.attention_dtypes == by_rows
+
+
+def test_attention_is_timed_as_a_step_runs_it_at_every_length(loaded) -> None:
+    config = loaded.config
+    measured = tuning.attention_ms(config, torch.bfloat16, torch.float32)
+    expected = {f"{s}x{r}" for s in tuning.ATTENTION_SESSIONS for r in tuning.ATTENTION_ROWS}
+    assert set(measured) == expected and all(ms > 0 for ms in measured.values())
 
 
 def test_a_float32_models_attention_is_float32_unmeasured(loaded, cache) -> None:
-    config, weights, tokenizer = loaded
+    config, weights, tokenizer, _ = loaded
     model, chosen = tuning.tuned_model(config, weights, tokenizer, "float32", "smollm2")
-    assert chosen.attention == "float32" and not chosen.attention_ms and model.attention_dtype == torch.float32
+    assert chosen.attention == {} and not chosen.attention_ms and model.attention_dtypes == {}
+
+
+def _four_bit(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(rows, cols // 32, generator=gen) * 0.01).half()
+    mins = (-torch.rand(rows, cols // 32, generator=gen) * 0.08).half()
+    return codes, scales, mins
+
+
+def test_a_packed_int4_weight_multiplies_as_its_blocks_dequantized() -> None:
+    codes, scales, mins = _four_bit(96, 128, 0)
+    dense = scales.float().repeat_interleave(32, 1) * codes.float() + mins.float().repeat_interleave(32, 1)
+    packed = kernels.PackedInt4.pack(codes, scales, mins, torch.bfloat16)
+    torch.testing.assert_close(packed.dense(), dense, rtol=1e-2, atol=2e-3)  # (scales rounded to bfloat16)
+    x = torch.randn(5, 128).bfloat16()
+    out = packed.linear(x)
+    assert out.shape == (5, 96) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x.float() @ packed.dense().t(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="groups of 32"):
+        kernels.PackedInt4.pack(codes[:, :100], scales, mins, torch.bfloat16)
+
+
+def test_int4_tiles_give_a_row_the_numbers_it_gets_alone() -> None:
+    codes, scales, mins = _four_bit(96, 128, 1)
+    packed = kernels.PackedInt4.pack(codes, scales, mins, torch.bfloat16)
+    weight = packed.dense().bfloat16()
+    plain = DecodeLinear((), {id(weight): (weight, packed)})
+    tiles = invariant_tiles([(weight, None)], linear=plain.plain)
+    if not tiles:
+        pytest.skip("no int4 tile size is batch-invariant on this CPU")
+    kernel = DecodeLinear(tiles, plain.int4)
+    assert kernel.name.endswith(" int4")
+    row = torch.randn(1, 128).bfloat16()
+    alone = kernel(row, weight)[0]
+    for n in (2, 3, tiles[-1], tiles[-1] + 3):
+        for position in (0, n - 1):
+            batch = torch.randn(n, 128).bfloat16()
+            batch[position] = row[0]
+            assert torch.equal(kernel(batch, weight)[position], alone), (tiles, n, position)
+    # rowwise with int4 weights: one 4-bit call per row, equal to the row alone
+    assert torch.equal(plain(torch.cat([torch.randn(3, 128).bfloat16(), row]), weight)[3], plain(row, weight)[0])
+
+
+def test_int4_is_offered_for_a_four_bit_model_kept_and_rebuilt_from_the_cache(loaded, cache) -> None:
+    config, weights, tokenizer, blocks = loaded
+    assert blocks, "the default SmolLM2 GGUF is Q4_1: its matrices come with their 4-bit blocks"
+    model, first = tuning.tuned_model(config, weights, tokenizer, "auto", "smollm2", blocks)
+    assert first.dtypes_offered == ["float32", "bfloat16", "int4"]
+    assert first.perplexity["int4"] <= first.perplexity["float32"] * (1 + tuning.PPL_TOLERANCE)
+    if first.dtype != "int4":
+        pytest.skip(f"{first.dtype} decoded faster than int4 on this CPU")
+    _assert_int4(model, config)
+    model, again = tuning.tuned_model(config, weights, tokenizer, "auto", "smollm2", blocks)
+    assert again.cached and again.dtype == "int4" and again.report()["decode_linear"].endswith(" int4")
+    _assert_int4(model, config)
+
+
+def _assert_int4(model, config) -> None:  # type: ignore[no-untyped-def]
+    """Every layer matrix is multiplied in 4 bits, and its dense weight (prefill's) is what that multiplies by."""
+    kernel = model.decode_linear
+    assert len(kernel.int4) == 4 * config.n_layers and id(model.output.weight) not in kernel.int4
+    for weight, packed in kernel.int4.values():
+        assert weight.dtype == torch.bfloat16
+        assert torch.equal(weight, packed.dense().bfloat16())
+
+
+def test_forcing_int4_on_a_model_of_floats_is_a_clear_error(loaded, cache) -> None:
+    from duplexd.errors import EngineError
+
+    config, weights, tokenizer, _ = loaded
+    with pytest.raises(EngineError, match="int4 needs a model stored in 4 bits"):
+        tuning.tuned_model(config, weights, tokenizer, "int4", "a-hf-folder", {})

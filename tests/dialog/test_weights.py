@@ -21,7 +21,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from duplexd import cli
 from duplexd.dialog import weights
-from duplexd.dialog.gguf_weights import ChatTokenizer, open_gguf, read_config, read_tokenizer, read_weights
+from duplexd.dialog.gguf_weights import (
+    ChatTokenizer,
+    open_gguf,
+    read_config,
+    read_four_bit_blocks,
+    read_tokenizer,
+    read_weights,
+)
 from duplexd.dialog.models import CACHE_ENV, SMOLLM2_GGUF_NAME, converted_paths, gguf_path
 from duplexd.errors import EngineError
 
@@ -34,7 +41,7 @@ TEXTS = ["hello world, the quick brown fox", "  over 12345 lazy dogs ", "<|im_st
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick fox?"}]
 
 
-def write_tiny_gguf(path: Path, *, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, *, seed: int = 0, matrices: GGMLQuantizationType = GGMLQuantizationType.Q4_1) -> Path:
     """A 2-layer Llama GGUF laid out like SmolLM2's: Q4_1 matrices, a Q8_0 embedding, F32 norms, GPT-2 BPE."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -70,7 +77,7 @@ def write_tiny_gguf(path: Path, *, seed: int = 0) -> Path:
 
     rng = np.random.default_rng(seed)
 
-    def matrix(name: str, rows: int, cols: int, kind: GGMLQuantizationType = GGMLQuantizationType.Q4_1) -> None:
+    def matrix(name: str, rows: int, cols: int, kind: GGMLQuantizationType = matrices) -> None:
         data = quantize(rng.normal(0.0, 0.1, (rows, cols)).astype(np.float32), kind)
         writer.add_tensor(name, data, raw_dtype=kind)
 
@@ -112,6 +119,7 @@ def _no_gguf_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(weights, "open_gguf", refuse)
     monkeypatch.setattr(weights, "read_weights", refuse)
+    monkeypatch.setattr(weights, "read_four_bit_blocks", refuse)
 
 
 def assert_same(got: weights.LoadedWeights, want: weights.LoadedWeights) -> None:
@@ -121,6 +129,10 @@ def assert_same(got: weights.LoadedWeights, want: weights.LoadedWeights) -> None
     for name, tensor in want.weights.items():
         assert got.weights[name].dtype == tensor.dtype == torch.float32, name
         assert torch.equal(got.weights[name], tensor), name
+    assert got.blocks.keys() == want.blocks.keys()
+    for name, b in want.blocks.items():
+        for part in ("codes", "scales", "mins"):
+            assert torch.equal(getattr(got.blocks[name], part), getattr(b, part)), (name, part)
     _assert_same_tokenizer(got.tokenizer, want.tokenizer)
 
 
@@ -133,7 +145,9 @@ def _assert_same_tokenizer(got: ChatTokenizer, want: ChatTokenizer) -> None:
 
 def _from_gguf(path: Path) -> weights.LoadedWeights:
     reader = open_gguf(path)
-    return weights.LoadedWeights(read_config(reader), read_weights(reader), read_tokenizer(reader))
+    return weights.LoadedWeights(
+        read_config(reader), read_weights(reader), read_tokenizer(reader), read_four_bit_blocks(reader)
+    )
 
 
 def _leftovers(cache: Path) -> list[str]:
@@ -146,6 +160,18 @@ def test_first_load_converts_and_writes_the_cache(tiny_gguf: Path, cache: Path) 
     tensors, meta = converted_paths(tiny_gguf, cache)
     assert _leftovers(cache) == sorted([tensors.name, meta.name])  # no temporary left behind
     assert json.loads(meta.read_text())["gguf"] == "tiny.gguf"
+
+
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_0])
+def test_four_bit_blocks_are_the_matrices_gguf_dequantizes(tmp_path: Path, kind: GGMLQuantizationType) -> None:
+    """The blocks kept for the int4 kernel hold exactly the numbers `read_weights` dequantizes (every
+    4-bit matrix, none of the Q8_0 embedding or the float norms)."""
+    reader = open_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", matrices=kind))
+    blocks, dense = read_four_bit_blocks(reader), read_weights(reader)
+    assert len(blocks) == 2 * 7 and "tok_embeddings.weight" not in blocks
+    for name, b in blocks.items():
+        assert b.codes.dtype == torch.uint8 and int(b.codes.max()) <= 15, name
+        assert torch.equal(b.dequantize(), dense[name]), name
 
 
 def test_cached_load_is_bitwise_equal_and_never_opens_the_gguf(
@@ -174,9 +200,16 @@ def _drop_tensors(tensors: Path, meta: Path) -> None:
 
 
 def _wrong_shape(tensors: Path, meta: Path) -> None:
-    state = torch.load(tensors, weights_only=True)
-    state["layers.1.attention.wk.weight"] = state["layers.1.attention.wk.weight"][:16]
-    torch.save(state, tensors)
+    saved = torch.load(tensors, weights_only=True)
+    saved["weights"]["layers.1.attention.wk.weight"] = saved["weights"]["layers.1.attention.wk.weight"][:16]
+    torch.save(saved, tensors)
+
+
+def _wrong_block_shape(tensors: Path, meta: Path) -> None:
+    saved = torch.load(tensors, weights_only=True)
+    codes = saved["blocks"]["layers.0.feed_forward.w2.weight"]["codes"]
+    saved["blocks"]["layers.0.feed_forward.w2.weight"]["codes"] = codes[:, :-1]
+    torch.save(saved, tensors)
 
 
 def _not_a_state_dict(tensors: Path, meta: Path) -> None:
@@ -184,7 +217,8 @@ def _not_a_state_dict(tensors: Path, meta: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "corrupt", [_truncate, _garble_meta, _old_format, _drop_tensors, _wrong_shape, _not_a_state_dict]
+    "corrupt",
+    [_truncate, _garble_meta, _old_format, _drop_tensors, _wrong_shape, _wrong_block_shape, _not_a_state_dict],
 )
 def test_corrupt_entry_is_rebuilt(
     corrupt: Callable[[Path, Path], None],
