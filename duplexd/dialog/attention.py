@@ -25,17 +25,27 @@ __all__ = ["DecodeBatch", "attend_one", "attention_weights", "step_attention"]
 
 def step_attention(pool: KvPool, head_dim: int, rows: Sequence[tuple[int, Plan, Segment]]) -> AttendFn:
     """Attention for one step whose packed rows are `rows` ((slot, plan, segment) per session, in packing
-    order): all one-token rows in one batched call, each longer chunk on its own."""
+    order). One-token rows, and each token of a chunk that evicts nothing its own tokens still see
+    (`one_token_plans`), go in one batched call (`DecodeBatch`): a token's numbers are then the same
+    whether it came alone or in a chunk of any size, which is what keeps a reply independent of how its
+    prompt arrived (speculative drafts lossless). A chunk that overwrites rows its earlier tokens still see
+    (a full window) attends on its own (`attend_one`)."""
     scale = 1.0 / math.sqrt(head_dim)
     sinks = pool.window.sink_tokens
-    singles = [(slot, plan, seg) for slot, plan, seg in rows if seg.length == 1]
-    chunks = [(slot, plan, seg) for slot, plan, seg in rows if seg.length > 1]
+    singles: list[tuple[int, Plan, Segment]] = []
+    chunks: list[tuple[int, Plan, Segment]] = []
+    for slot, plan, seg in rows:
+        parts = [plan] if seg.length == 1 else one_token_plans(plan)
+        if parts is None:
+            chunks.append((slot, plan, seg))
+        else:
+            singles.extend((slot, part, Segment(seg.start + i, 1)) for i, part in enumerate(parts))
     batch = DecodeBatch.build(pool, [slot for slot, _, _ in singles], [plan for _, plan, _ in singles])
     single_rows = torch.tensor([seg.start for _, _, seg in singles], dtype=torch.long)
-    all_single = len(singles) == len(rows)
+    all_single = not chunks
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if all_single:
+        if all_single:  # (then `singles` is every row, in packing order)
             return batch.attend(pool, layer, q, k, v, scale, sinks)
         out = torch.empty_like(q)
         if singles:
@@ -48,6 +58,41 @@ def step_attention(pool: KvPool, head_dim: int, rows: Sequence[tuple[int, Plan, 
         return out
 
     return attend
+
+
+def one_token_plans(plan: Plan) -> list[Plan] | None:
+    """A chunk's tokens as the plans each would have had alone, one after another (the cache as the chunk
+    found it plus the chunk's earlier tokens), or None when that is not the same attention: a token of the
+    chunk overwrites a row that an earlier token of it still sees, or the sinks need their own rotation."""
+    n = len(plan.positions)
+    group = plan.mask.shape[0] // n
+    rows = plan.rows.tolist()
+    used, mask = plan.used, plan.mask[:n]  # (the first of `group` copies: one query row per token)
+    if plan.rot_sink is not None:
+        return None
+    for j, row in enumerate(rows):
+        if row < used and j and bool((mask[:j, row] == 0).any()):
+            return None
+    parts = []
+    row_used = used
+    for i in range(n):
+        own = torch.full((row_used + 1,), float("-inf"))
+        own[:used] = mask[i, :used]
+        for j in range(i):
+            own[rows[j]] = mask[i, used + j]
+        own[row_used] = mask[i, used + i]
+        parts.append(
+            Plan(
+                positions=plan.positions[i : i + 1],
+                rows=plan.rows[i : i + 1],
+                used=row_used,
+                mask=own[None, :].repeat(group, 1),
+                rot_abs=plan.rot_abs[i : i + 1],
+                rot_sink=None,
+            )
+        )
+        row_used = max(row_used, rows[i] + 1)
+    return parts
 
 
 BUCKET_ROWS = 128  # a one-token row attends over its slot's used rows rounded up to a multiple of this
@@ -170,10 +215,12 @@ def attention_weights(scores: Tensor, scale: float, mask: Tensor, dtype: torch.d
 
     exp() of scores more than ~87 below the row's max underflows to subnormals, which x86 handles ~100x
     slower (measured: a 1 s decode step instead of 40 ms; attention sinks make such gaps common). Raising
-    them to max - 80 before masking changes each weight by < 2e-35: nothing, in float32.
+    them to max - 80 before masking changes each weight by < 2e-35: nothing, in float32. The max is over
+    the visible columns only: masked ones (unused rows, whatever they hold) must not move a row's numbers.
     """
     scores = scores.float() * scale
-    scores = torch.maximum(scores, scores.amax(-1, keepdim=True) - 80.0) + mask
+    top = (scores + mask).amax(-1, keepdim=True)
+    scores = torch.maximum(scores, top - 80.0) + mask
     return torch.softmax(scores, dim=-1).to(dtype)
 
 

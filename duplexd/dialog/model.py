@@ -9,11 +9,10 @@ Two ways to run it:
   session's attention against its own bounded KV window (`dialog/kv_window.py`).
 
 Batch invariance. Library GEMMs pick a kernel by the number of rows, so a row's float result changes with
-how many other rows share the call. Single-token rows (decode, and one-token prefill) therefore go through
-`decode_linear` (`kernels.DecodeLinear`: fixed-shape tiles this CPU computes the same whatever the other
-rows, or rowwise), chosen at load by `kernels.choose`. Multi-token prefill chunks get one plain `F.linear`
-each, so their result depends on the chunk only. A session's numbers (and so its greedy tokens) never
-depend on what it shares a step with.
+how many other rows share the call. Every row of a step (decode tokens and prefill chunks alike) therefore
+goes through `decode_linear` (`kernels.DecodeLinear`: fixed-shape tiles this CPU computes the same whatever
+the other rows, or rowwise), chosen at load by `kernels.choose`. A token's numbers (and so a session's
+greedy tokens) depend neither on what it shares a step with nor on the chunks its prompt was cut into.
 
 RoPE rotates adjacent pairs (2i, 2i+1) of each head: the Q/K layout GGUF files store (`gguf_weights`).
 """
@@ -140,20 +139,10 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def _packed_linear(x: Tensor, layer: nn.Linear, segments: Sequence[Segment], decode: DecodeLinear) -> Tensor:
-    """`layer(x)` for packed rows, batch-invariant: one-token segments through `decode`, longer ones one
-    call per segment."""
-    singles = [s.start for s in segments if s.length == 1]
-    out = x.new_empty(x.shape[0], layer.out_features)
-    if singles:
-        if len(singles) == x.shape[0]:
-            return decode(x, layer.weight, layer.bias)
-        index = torch.tensor(singles)
-        out[index] = decode(x[index], layer.weight, layer.bias)
-    for s in segments:
-        if s.length > 1:
-            out[s.start : s.start + s.length] = F.linear(x[s.start : s.start + s.length], layer.weight, layer.bias)
-    return out
+def _packed_linear(x: Tensor, layer: nn.Linear, decode: DecodeLinear) -> Tensor:
+    """`layer(x)` for packed rows, batch-invariant: every row, a prefill chunk's too, through `decode` (its
+    fixed-shape tiles), so a token's numbers do not depend on the chunk it came in, nor on its neighbours."""
+    return decode(x, layer.weight, layer.bias)
 
 
 class Transformer(nn.Module):
@@ -237,12 +226,12 @@ class Transformer(nn.Module):
         for index, layer in enumerate(self.layers):
             block: TransformerBlock = layer  # type: ignore[assignment]
             attn = block.attention
-            q, k, v = attn.split_qkv(_packed_linear(block.attention_norm(x), attn.wqkv, segments, decode))
+            q, k, v = attn.split_qkv(_packed_linear(block.attention_norm(x), attn.wqkv, decode))
             out = attend(index, q, k, v).flatten(-2)
-            h = x + _packed_linear(out, attn.wo, segments, decode)
+            h = x + _packed_linear(out, attn.wo, decode)
             ffn = block.feed_forward
-            hidden = ffn.activate(_packed_linear(block.ffn_norm(h), ffn.w13, segments, decode))
-            x = h + _packed_linear(hidden, ffn.w2, segments, decode)
+            hidden = ffn.activate(_packed_linear(block.ffn_norm(h), ffn.w13, decode))
+            x = h + _packed_linear(hidden, ffn.w2, decode)
         if logits_rows is None:
             return self.output(self.norm(x))
         return decode(self.norm(x[logits_rows]), self.output.weight)

@@ -173,3 +173,22 @@ def test_bfloat16_attention_computed_in_float32_stores_the_same_keys_and_is_clos
     assert torch.equal(pools["bf16"].k, pools["bf16+fp32"].k) and torch.equal(pools["bf16"].v, pools["bf16+fp32"].v)
     error = {name: float((outs[name] - outs["fp32"]).abs().max()) for name in ("bf16", "bf16+fp32")}
     assert error["bf16+fp32"] < error["bf16"], error
+
+
+def test_a_chunk_is_its_tokens_one_after_another_unless_it_overwrites_what_they_see() -> None:
+    from duplexd.dialog.attention import one_token_plans
+
+    state = WindowState(WINDOW)
+    state.commit(state.plan(10, ROPE, 2))
+    chunk = state.plan(3, ROPE, 2)
+    parts = one_token_plans(chunk)
+    assert parts is not None and [p.used for p in parts] == [10, 11, 12]
+    for i, part in enumerate(parts):  # each token alone: the old rows, the chunk's earlier tokens, itself
+        alone = state.plan(1, ROPE, 2)
+        assert torch.equal(part.mask, alone.mask) and torch.equal(part.rot_abs, alone.rot_abs), i
+        assert torch.equal(part.rows, alone.rows) and part.used == alone.used
+        state.commit(alone)
+    full = WindowState(WINDOW)
+    while full.n < WINDOW.capacity + 5:  # (past the window: new tokens overwrite rows still seen)
+        full.commit(full.plan(min(WINDOW.window_tokens, WINDOW.capacity + 5 - full.n), ROPE, 2))
+    assert one_token_plans(full.plan(3, ROPE, 2)) is None

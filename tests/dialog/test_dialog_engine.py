@@ -515,3 +515,39 @@ def test_steps_run_on_the_configured_threads_whatever_a_library_set(smol) -> Non
         assert engine.stats["threads"] == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+CUT_QUESTIONS = [
+    "The child almost hurt the small dog.",
+    "The birch canoe slid on the smooth planks.",
+    "What is the capital of France and why is it famous?",
+    "How do I make a good cup of tea?",
+]
+
+
+def test_a_prompt_cut_into_any_chunks_gets_bitwise_the_same_cache_and_reply(either) -> None:
+    """A draft prefills the user's words as they are recognized; the reply without it prefills them at the
+    end of the turn, in other chunks. Drafts are lossless only if a token's numbers do not depend on the
+    chunk it came in: the same keys and values bit for bit, and so the same reply."""
+    engine = make_engine(either, max_sessions=2, max_reply_tokens=24, prefill_chunk=16, no_copy_ngram_tokens=0)
+    for question in CUT_QUESTIONS:
+        whole = engine.open()
+        engine.append_user_text(whole, question)  # (chunks of up to 16 tokens)
+        run_until_idle(engine)
+        by_word = engine.open()
+        for i, word in enumerate(question.split(" ")):
+            engine.append_user_text(by_word, (" " if i else "") + word)
+            engine.step()  # (one or two tokens a chunk)
+        run_until_idle(engine)
+        a, b = engine._sessions[whole], engine._sessions[by_word]
+        assert a.window.n == b.window.n
+        rows = slice(0, a.window.n)
+        assert torch.equal(engine.pool.k[:, a.slot, :, rows], engine.pool.k[:, b.slot, :, rows]), question
+        assert torch.equal(engine.pool.v[:, a.slot, :, rows], engine.pool.v[:, b.slot, :, rows]), question
+        replies = {}
+        for sid in (whole, by_word):
+            engine.start_reply(sid)
+            replies[sid] = run_until_idle(engine).get(sid, [])
+        assert replies[whole] and replies[whole] == replies[by_word], question
+        engine.close(whole)
+        engine.close(by_word)
