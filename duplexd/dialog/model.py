@@ -181,8 +181,9 @@ class Transformer(nn.Module):
     def pack_int4(self, blocks: Mapping[str, FourBitBlocks]) -> dict[int, tuple[Tensor, PackedInt4]]:
         """Every layer's matrices in their 4-bit form (`blocks`: the GGUF's Q4_0/Q4_1 blocks by parameter
         name, fused as the dense weights are), for `DecodeLinear(tiles, int4=...)`. Each dense weight is
-        replaced by exactly the numbers its packed form multiplies by (so prefill chunks, which use the dense
-        weights, compute with the same model as decode rows). Raises `KeyError` for a matrix not in 4 bits."""
+        replaced by exactly the numbers its packed form multiplies by (so `forward`, which uses the dense
+        weights, e.g. for the perplexity check, computes with the same model as `step`). Raises `KeyError`
+        for a matrix not in 4 bits."""
         parts = {
             part: fuse_projections(self.config, {name: getattr(b, part) for name, b in blocks.items()})
             for part in ("codes", "scales", "mins")
