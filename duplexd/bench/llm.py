@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from duplexd.dialog.attention import attend_one
 from duplexd.dialog.gguf_weights import ChatTokenizer, LlamaConfig, open_gguf, read_config, read_tokenizer
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
-from duplexd.dialog.model import Segment, Transformer
+from duplexd.dialog.model import Transformer
 from duplexd.dialog.models import gguf_path
 from duplexd.dialog.tuning import long_text
 
@@ -405,7 +405,7 @@ def sequence_nll(model: Transformer, tokens: Sequence[int], window: WindowConfig
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan = plan) -> torch.Tensor:
             return attend_one(pool.k[layer, 0], pool.v[layer, 0], q, k, v, plan, scale, window.sink_tokens)
 
-        logits = model.step(piece, [Segment(0, len(piece))], attend, None)
+        logits = model.step(piece, attend, None)
         state.commit(plan)
         targets = ids[start + 1 : start + 1 + len(piece)]
         logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)

@@ -78,8 +78,7 @@ def one_token_plans(plan: Plan) -> list[Plan] | None:
     for i in range(n):
         own = torch.full((row_used + 1,), float("-inf"))
         own[:used] = mask[i, :used]
-        for j in range(i):
-            own[rows[j]] = mask[i, used + j]
+        own[plan.rows[:i]] = mask[i, used : used + i]  # (the chunk's earlier tokens, where they went)
         own[row_used] = mask[i, used + i]
         parts.append(
             Plan(
@@ -182,7 +181,7 @@ class DecodeBatch:
         pool.k[layer, self.slots, :, self.rows] = rotated[:, heads:].to(pool.k.dtype)
         pool.v[layer, self.slots, :, self.rows] = v.to(pool.v.dtype)
         rotate_sinks = sinks and any(bucket.sinks_rotated for bucket in self.buckets)
-        q_sink = apply_rope(q, self.rot_sink).float().view(b, kv_heads, group, dim) if rotate_sinks else None
+        q_sink = apply_rope(q, self.rot_sink, torch.float32).view(b, kv_heads, group, dim) if rotate_sinks else None
         out = q_abs.new_empty(b, kv_heads, group, dim) if len(self.buckets) > 1 else None
         for bucket in self.buckets:
             whole = out is None

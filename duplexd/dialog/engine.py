@@ -584,7 +584,7 @@ class DialogEngine:
             self.model.config.head_dim,
             [(w.session.slot, w.plan, seg) for w, seg in zip(work, segments, strict=True)],
         )
-        logits = self.model.step(torch.tensor(tokens), segments, attend, torch.tensor(logits_rows, dtype=torch.long))
+        logits = self.model.step(torch.tensor(tokens), attend, torch.tensor(logits_rows, dtype=torch.long))
         out: dict[int, list[int]] = {}
         row = 0
         for w in work:

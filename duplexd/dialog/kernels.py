@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from duplexd.dialog.gguf_weights import FOUR_BIT_GROUP
+
 TILE_SIZES = (1, 2, 4, 8, 16)  # the sizes tried; the largest is the tile a long step is cut into
 PROBE_ROWS = (1, 2, 4, 8, 16)  # the decode batch sizes a choice is timed at
 
@@ -50,7 +52,7 @@ def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     return out if bias is None else out + bias
 
 
-INT4_GROUP = 32  # elements per scale: GGUF's Q4_0/Q4_1 block
+INT4_GROUP = FOUR_BIT_GROUP  # elements per scale: GGUF's Q4_0/Q4_1 block
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +63,6 @@ class PackedInt4:
 
     packed: Tensor  # uint8, `_convert_weight_to_int4pack_for_cpu`'s layout
     scales_and_zeros: Tensor  # [K / group, N, 2] in the activations' dtype
-    out_features: int
 
     @classmethod
     def pack(cls, codes: Tensor, scales: Tensor, mins: Tensor, dtype: torch.dtype) -> PackedInt4:
@@ -71,7 +72,7 @@ class PackedInt4:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         d, m = scales.double(), mins.double()
         scales_and_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).to(dtype).contiguous()
-        return cls(packed, scales_and_zeros, codes.shape[0])
+        return cls(packed, scales_and_zeros)
 
     def dense(self) -> Tensor:
         """The weight the kernel multiplies by, `[N, K]` (read back through the kernel itself, so rounded to

@@ -4,7 +4,7 @@ Two ways to run it:
 
 - `Transformer.forward(tokens[B, T])`: a full causal pass from position 0 (the reference, and the
   full-attention perplexity probe).
-- `Transformer.step(rows, segments, attend)`: the engine's packed pass. All new tokens of one engine step,
+- `Transformer.step(tokens, attend, logits_rows)`: the engine's packed pass. All new tokens of one engine step,
   from every session, are packed into one `[N]` row vector; the engine's `attend` callback does each
   session's attention against its own bounded KV window (`dialog/kv_window.py`).
 
@@ -19,7 +19,7 @@ RoPE rotates adjacent pairs (2i, 2i+1) of each head: the Q/K layout GGUF files s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +138,15 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), rotation)
         return h + self.feed_forward(self.ffn_norm(h))
 
+    def linears(self) -> dict[str, nn.Linear]:
+        """The block's matrices a decode step multiplies rows by, in step order, by parameter name."""
+        return {
+            "attention.wqkv": self.attention.wqkv,
+            "attention.wo": self.attention.wo,
+            "feed_forward.w13": self.feed_forward.w13,
+            "feed_forward.w2": self.feed_forward.w2,
+        }
+
 
 def _packed_linear(x: Tensor, layer: nn.Linear, decode: DecodeLinear) -> Tensor:
     """`layer(x)` for packed rows, batch-invariant: every row, a prefill chunk's too, through `decode` (its
@@ -164,8 +173,7 @@ class Transformer(nn.Module):
         (what the invariance self-test checks: a row's numbers depend on the shape, not on the values)."""
         first: TransformerBlock = self.layers[0]  # type: ignore[assignment]
         n = len(self.layers)
-        linears = [first.attention.wqkv, first.attention.wo, first.feed_forward.w13, first.feed_forward.w2]
-        return [(m.weight, m.bias, n) for m in linears] + [(self.output.weight, None, 1)]
+        return [(m.weight, m.bias, n) for m in first.linears().values()] + [(self.output.weight, None, 1)]
 
     def decode_weights(self) -> list[tuple[Tensor, Tensor | None, int]]:
         """Every weight a decode step multiplies one-token rows by, in step order, once each: what timing a
@@ -174,8 +182,7 @@ class Transformer(nn.Module):
         out: list[tuple[Tensor, Tensor | None, int]] = []
         for layer in self.layers:
             block: TransformerBlock = layer  # type: ignore[assignment]
-            for m in (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2):
-                out.append((m.weight, m.bias, 1))
+            out.extend((m.weight, m.bias, 1) for m in block.linears().values())
         return out + [(self.output.weight, None, 1)]
 
     def pack_int4(self, blocks: Mapping[str, FourBitBlocks]) -> dict[int, tuple[Tensor, PackedInt4]]:
@@ -192,12 +199,7 @@ class Transformer(nn.Module):
         packed: dict[int, tuple[Tensor, PackedInt4]] = {}
         for i, layer in enumerate(self.layers):
             block: TransformerBlock = layer  # type: ignore[assignment]
-            for name, linear in (
-                ("attention.wqkv", block.attention.wqkv),
-                ("attention.wo", block.attention.wo),
-                ("feed_forward.w13", block.feed_forward.w13),
-                ("feed_forward.w2", block.feed_forward.w2),
-            ):
+            for name, linear in block.linears().items():
                 key = f"layers.{i}.{name}.weight"
                 four = PackedInt4.pack(parts["codes"][key], parts["scales"][key], parts["mins"][key], dtype)
                 linear.weight = nn.Parameter(four.dense().to(dtype), requires_grad=False)
@@ -215,7 +217,7 @@ class Transformer(nn.Module):
             x = layer(x, rotation)
         return self.output(self.norm(x))
 
-    def step(self, tokens: Tensor, segments: Sequence[Segment], attend: AttendFn, logits_rows: Tensor | None) -> Tensor:
+    def step(self, tokens: Tensor, attend: AttendFn, logits_rows: Tensor | None) -> Tensor:
         """One packed engine step: `tokens[N]` from several sessions, attention delegated to `attend`.
 
         Returns logits `[len(logits_rows), vocab]` for the requested rows only (the output head is a fifth
