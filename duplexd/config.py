@@ -77,6 +77,10 @@ class AsrConfig:
     # With them, a window whose last segment ends before the audio does is encoded a second time from
     # there (faster-whisper's seek loop): ~1.7 s instead of ~0.9 s for that pass on this CPU.
     without_timestamps: bool = False
+    # A partial holds back its last tentative word while it ends this close to the end of the audio decoded:
+    # a word cut off there is completed as the decoder likes ("She" -> "Shit."), then withdrawn.
+    partial_edge_s: float = 0.3
+    partial_edge_probability: float = 0.5  # ... unless the decoder gives it at least this probability
 
     def __post_init__(self) -> None:
         _require(self.beam_size >= 1, "asr.beam_size", self.beam_size, ">= 1")
@@ -95,6 +99,7 @@ class AsrConfig:
         _require(self.prompt_chars >= 0, "asr.prompt_chars", self.prompt_chars, ">= 0")
         _require(self.prompt_max_tokens >= 0, "asr.prompt_max_tokens", self.prompt_max_tokens, ">= 0")
         _require(self.max_tokens_per_s > 0, "asr.max_tokens_per_s", self.max_tokens_per_s, "> 0")
+        _require(0.0 <= self.partial_edge_s <= 2.0, "asr.partial_edge_s", self.partial_edge_s, "in [0, 2] seconds")
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,8 +46,15 @@ class TranscriptUpdated:
 
 @dataclass(frozen=True, slots=True)
 class UtteranceFinalized:
+    """The utterance's words, committed. `continues`: the speaker went on after a pause that finalized
+    utterance `continues`, and this one follows it in the same sentence; `previous`: that utterance's words
+    as they read joined with this one (its last word's punctuation decided with what followed: "best." ->
+    "best"), None when unchanged."""
+
     utterance: int
     words: tuple[Word, ...]
+    continues: int | None = None
+    previous: tuple[Word, ...] | None = None
 
     @property
     def text(self) -> str:

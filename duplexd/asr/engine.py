@@ -26,6 +26,7 @@ class Segment:
     words: tuple[Word, ...]
     no_speech_prob: float
     avg_logprob: float
+    probabilities: tuple[float, ...] = ()  # of each word (the decoder's, its tokens' product); () unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,13 +164,11 @@ class FasterWhisperEngine:
         model.add_word_timestamps([segments], tok, encoder_output, frames, "\"'“¿([{-", "\"'.。,，!！?？:：”)]}、", 0.0)
         out = []
         for seg in segments:
-            words = tuple(
-                Word(w["word"].strip(), float(w["start"]), min(float(w["end"]), duration_s))
-                for w in seg.get("words", ())
-                if w["word"].strip()
-            )
+            kept = [w for w in seg.get("words", ()) if w["word"].strip()]
+            words = tuple(Word(w["word"].strip(), float(w["start"]), min(float(w["end"]), duration_s)) for w in kept)
             if words:
-                out.append(Segment(seg["start"], seg["end"], words, result.no_speech_prob, avg_logprob))
+                probabilities = tuple(float(w["probability"]) for w in kept)
+                out.append(Segment(seg["start"], seg["end"], words, result.no_speech_prob, avg_logprob, probabilities))
         return Transcription(tuple(out))
 
     def transcribe_offline(self, audio: np.ndarray) -> Transcription:

@@ -9,18 +9,25 @@ there commits everything and the utterance is final.
 
 from __future__ import annotations
 
+import difflib
+from collections import deque
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from duplexd.asr.commit import LocalAgreement
+from duplexd.asr.commit import LocalAgreement, norm
 from duplexd.asr.engine import ASR_SAMPLE_RATE, Transcription
 from duplexd.config import AsrConfig
 from duplexd.errors import ErrorCode
 from duplexd.events import ErrorRaised, Event, TranscriptUpdated, UtteranceFinalized, Word
 
 _FORCE_KEEP_S = 3.0  # when forced to trim, keep this much of the newest audio uncommitted
-_CONTEXT_S = 1.5  # speech that resumes after a pause is decoded with this much of the audio before it
+_CONTEXT_S = 1.5  # speech that resumes after a pause is decoded with (at least) this much of the speech before it
+_CONTEXT_MIN_WORDS = 2  # ... and at least this many of its words, so the join is found by text, not by time
+_CONTINUE_WITHIN_S = 6.0  # a pause's context is kept this long (speech resumes within VAD's hangover)
+_ALIGN_SLACK = 3  # words beyond the context's length searched for it at a continuation's head
+_TIME_TOLERANCE_S = 0.1
+_SAID_WORDS = 128  # committed words kept for the decoder prompt (it uses at most `prompt_chars` of them)
 _SENTENCE_ENDS = (".", "?", "!")
 
 
@@ -87,9 +94,11 @@ class AudioRing:
 class StreamingTranscriber:
     def __init__(self, config: AsrConfig) -> None:
         self._config = config
+        self._edge = int(config.partial_edge_s * ASR_SAMPLE_RATE)
+        self._edge_probability = 1.0  # the decoder's probability of the latest hypothesis' last word
         self._ring = AudioRing(int(config.ring_s * ASR_SAMPLE_RATE))
         self._agreement = LocalAgreement(config.agreement_n)
-        self._prompt = ""
+        self._said: deque[Word] = deque(maxlen=_SAID_WORDS)  # finalized words, newest last (the prompt's source)
         # Speech that started after the open utterance's end of speech, before its final pass came back.
         self._next: _Next | None = None
         self._utterance = 0
@@ -99,12 +108,15 @@ class StreamingTranscriber:
         self._decoded_until = 0
         self._final_end: int | None = None
         self._voiced_end_s: float | None = None  # where VAD last heard speech in the open utterance
-        self._new_from_s: float | None = None  # words before this are context (the previous utterance's)
+        # The open utterance continues this finalized one (its number and words): its window starts with
+        # the end of that one's speech, whose words are found again by text and not repeated.
+        self._continues: tuple[int, tuple[Word, ...]] | None = None
+        self._last_final: tuple[int, tuple[Word, ...], int] | None = None  # number, words, window start
+        self._join: Word | None = None  # a continuation's pass found the last context word: as it read there
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
         self._last_partial: tuple[tuple[Word, ...], int] | None = None
         self._in_flight = False
         self._behind = False  # the ring overflowed and no pass has come back since
-        self._prompt_until_s = 0.0
 
     # -- audio and VAD -------------------------------------------------------------------------------
 
@@ -112,6 +124,7 @@ class StreamingTranscriber:
         """New settings from the next pass on (a Realtime client's `prefix_padding_ms` sets `preroll_s`); the
         audio ring keeps the size it was built with."""
         self._config = replace(config, ring_s=self._config.ring_s)
+        self._edge = int(config.partial_edge_s * ASR_SAMPLE_RATE)
 
     @property
     def samples(self) -> int:
@@ -120,8 +133,7 @@ class StreamingTranscriber:
     def append(self, samples: np.ndarray) -> list[Event]:
         dropped = self._ring.append(samples)
         if not self._active:
-            keep_s = self._config.preroll_s + _CONTEXT_S
-            self._ring.drop_before(self._ring.end - int(keep_s * ASR_SAMPLE_RATE))
+            self._ring.drop_before(self._idle_floor())
             return []
         if dropped and self._ring.start > self._window_start:
             # Passes fell so far behind that the bounded ring overflowed: say so (once until the recognizer
@@ -136,9 +148,11 @@ class StreamingTranscriber:
         return []
 
     def speech_started(self, t_s: float, *, continues: bool = False) -> None:
-        """Speech from `t_s` on. `continues`: the speech that was finalized at a pause goes on (the next
-        utterance is decoded with the audio before it as context, for words cut short of context
-        ("smooth planks" alone came out "moth plinks"); its words from before `t_s` are not repeated)."""
+        """Speech from `t_s` on. `continues`: the speech that was finalized at a pause goes on. The next
+        utterance is then decoded with the end of the finalized one before it (its last words, at least
+        `_CONTEXT_S` of them), for words cut short of context ("smooth planks" alone came out "moth
+        plinks") and so the join reads as one sentence; those words are found again by text and not
+        repeated, and how they read joined ("best." -> "best") comes with the final."""
         if not self._active:
             # (the ring keeps context while idle; a fresh onset still reaches back only `preroll_s`)
             floor = self._ring.start if continues else self._ring.end - int(self._config.preroll_s * ASR_SAMPLE_RATE)
@@ -170,9 +184,18 @@ class StreamingTranscriber:
         self._active = True
         self._utterance += 1
         self._generation += 1
-        self._new_from_s = start / ASR_SAMPLE_RATE if continues else None
-        if continues:
+        context = self._context() if continues else None
+        self._continues = None
+        self._join = None
+        if context is not None:
+            context_start, words = context
+            start = max(self._ring.start, min(start, context_start))
+            self._continues = (self._last_final[0] if self._last_final else 0, words)
+            self._agreement = LocalAgreement(self._config.agreement_n)  # (new words are told apart by text)
+        elif continues:
             start = max(self._ring.start, start - int(_CONTEXT_S * ASR_SAMPLE_RATE))
+        else:
+            self._last_final = None
         self._window_start = self._decoded_until = start
         self._final_end = None
         self._voiced_end_s = None
@@ -256,10 +279,13 @@ class StreamingTranscriber:
             return []
         offset_s = request.start_sample / ASR_SAMPLE_RATE
         words = [Word(w.text, w.start_s + offset_s, w.end_s + offset_s) for w in result.words]
-        if self._new_from_s is not None:
-            words = [w for w in words if w.start_s >= self._new_from_s]
+        if self._continues is not None:
+            words = self._after_context(words)
         self._decoded_until = max(self._decoded_until, request.end_sample)
         newly = self._agreement.insert(words)
+        last = result.segments[-1] if result.segments else None
+        # (an engine that reports no probabilities is taken at its word)
+        self._edge_probability = last.probabilities[-1] if last is not None and last.probabilities else 1.0
         # A pass already covering everything up to the end of speech is as good as the final pass (the rest
         # of the audio is silence): end the utterance now instead of running one more ~1 s pass.
         covered = self._final_end is not None and self._next is None and request.end_sample >= self._final_end
@@ -274,8 +300,11 @@ class StreamingTranscriber:
             newly = [w for w in newly if w.start_s < self._voiced_end_s]
         self._committed.extend(newly)
         words = tuple(self._committed)
-        self._remember_prompt(words)
-        events: list[Event] = [UtteranceFinalized(self._utterance, words)] if words else []
+        self._said.extend(words)
+        events: list[Event] = []
+        if words:
+            events.append(UtteranceFinalized(self._utterance, words, *self._joined()))
+        self._last_final = (self._utterance, words, self._window_start)
         end = self._final_end if self._final_end is not None else self._ring.end
         self._active = False
         self._final_end = None
@@ -288,11 +317,73 @@ class StreamingTranscriber:
             self._final_end = next_end
             self._voiced_end_s = next_voiced
         else:
-            self._ring.drop_before(end - int((self._config.preroll_s + _CONTEXT_S) * ASR_SAMPLE_RATE))
+            self._ring.drop_before(self._idle_floor())
         return events
 
+    # -- continuing an utterance finalized at a pause -------------------------------------------------
+
+    def _context(self) -> tuple[int, tuple[Word, ...]] | None:
+        """Where a continuation of the last final starts its window, and that final's words it covers: its
+        words that start within `_CONTEXT_S` of its end (at least `_CONTEXT_MIN_WORDS`), from the end of the
+        word before them (a word boundary, so no word is cut in half). None: no final with words to go on."""
+        if self._last_final is None or not self._last_final[1]:
+            return None
+        _, words, window_start = self._last_final
+        k = len(words) - 1
+        while k > 0 and (len(words) - k < _CONTEXT_MIN_WORDS or words[k - 1].start_s >= words[-1].end_s - _CONTEXT_S):
+            k -= 1
+        start_s = words[k - 1].end_s if k > 0 else window_start / ASR_SAMPLE_RATE
+        return max(window_start, int(start_s * ASR_SAMPLE_RATE)), words[k:]
+
+    def _idle_floor(self) -> int:
+        """The oldest sample to keep while no utterance is open: the preroll and context of a fresh onset,
+        or the start of a continuation's window while speech could still resume (it does within VAD's
+        silence hangover, so a context older than `_CONTINUE_WITHIN_S` is let go)."""
+        floor = self._ring.end - int((self._config.preroll_s + _CONTEXT_S) * ASR_SAMPLE_RATE)
+        context = self._context()
+        if context is not None and self._ring.end - context[0] <= _CONTINUE_WITHIN_S * ASR_SAMPLE_RATE:
+            floor = min(floor, context[0])
+        return floor
+
+    def _after_context(self, words: list[Word]) -> list[Word]:
+        """A continuation's hypothesis without the context words it decoded again, found by text (their
+        times jitter across the pause by more than any tolerance). The last of them, as it reads now, is
+        the join. When the hypothesis does not hold them, words that start after the context are new."""
+        assert self._continues is not None
+        context = [norm(w.text) for w in self._continues[1]]
+        head = [norm(w.text) for w in words[: len(context) + _ALIGN_SLACK]]
+        matcher = difflib.SequenceMatcher(a=context, b=head, autojunk=False)
+        blocks = [b for b in matcher.get_matching_blocks() if b.size]
+        if blocks and blocks[-1].a + blocks[-1].size >= len(context) - 1:
+            last = blocks[-1]
+            cut = last.b + last.size
+            if last.a + last.size == len(context):
+                self._join = words[cut - 1]
+            return words[cut:]
+        end_s = self._continues[1][-1].end_s
+        return [w for w in words if w.start_s >= end_s - _TIME_TOLERANCE_S]
+
+    def _joined(self) -> tuple[int | None, tuple[Word, ...] | None]:
+        """For a continuation's final: the utterance it continues, and that one's words as they read joined
+        with it (its last word as the continuation's pass decoded it with what followed), if they changed."""
+        if self._continues is None:
+            return None, None
+        number, context = self._continues
+        if self._join is None or self._last_final is None or self._last_final[0] != number:
+            return number, None
+        words = self._last_final[1]
+        if words[-1].text == self._join.text:
+            return number, None
+        return number, (*words[:-1], Word(self._join.text, words[-1].start_s, words[-1].end_s))
+
     def _partial(self) -> list[Event]:
-        words = (*self._committed, *self._agreement.tentative)
+        tentative = self._agreement.tentative
+        at_edge = tentative and tentative[-1].end_s * ASR_SAMPLE_RATE >= self._decoded_until - self._edge
+        if at_edge and self._edge_probability < self._config.partial_edge_probability:
+            # The last word runs to the end of the audio: it may be a word cut off mid-way, which the decoder
+            # completes as it likes ("She..." -> "Shit."). Shown once a pass has heard past it.
+            tentative = tentative[:-1]
+        words = (*self._committed, *tentative)
         state = (words, len(self._committed))
         if not words or state == self._last_partial:
             return []
@@ -319,22 +410,17 @@ class StreamingTranscriber:
             self._committed.extend(self._agreement.commit_until(horizon_s))
             cut_s = max(self._agreement.committed_end_s, self._window_start / ASR_SAMPLE_RATE)
         if cut_s is not None and int(cut_s * ASR_SAMPLE_RATE) > self._window_start:
-            self._remember_prompt(tuple(w for w in self._committed if w.end_s <= cut_s + 1e-6))
             self._window_start = int(cut_s * ASR_SAMPLE_RATE)
             self._ring.drop_before(self._window_start)
 
     def _prompt_text(self) -> str:
-        """The last `prompt_chars` characters of committed text, starting at a word boundary."""
-        limit = self._config.prompt_chars
-        if len(self._prompt) <= limit:
-            return self._prompt
-        tail = self._prompt[len(self._prompt) - limit :]
-        return tail.split(" ", 1)[1] if " " in tail else ""
-
-    def _remember_prompt(self, words: tuple[Word, ...]) -> None:
-        """Committed text that has left the window conditions later passes."""
-        fresh = [w for w in words if w.end_s > self._prompt_until_s]
-        if fresh and self._config.prompt_chars:
-            text = " ".join(w.text for w in fresh)
-            self._prompt = (self._prompt + " " + text).strip()[-4 * self._config.prompt_chars :]
-            self._prompt_until_s = fresh[-1].end_s
+        """The last `prompt_chars` characters of the committed text that precedes the window (text whose
+        audio is in the window would make the decoder skip that audio), from a word boundary."""
+        before_s = self._window_start / ASR_SAMPLE_RATE + 1e-6
+        words = [w.text for w in (*self._said, *self._committed) if w.end_s <= before_s]
+        text = ""
+        for word in reversed(words):
+            if len(text) + len(word) + 1 > self._config.prompt_chars:
+                break
+            text = f"{word} {text}" if text else word
+        return text

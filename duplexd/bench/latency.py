@@ -7,7 +7,7 @@ end (by offline word timestamps) was sent. Streamed and offline words are aligne
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from duplexd.asr.commit import norm
@@ -66,3 +66,64 @@ def word_timings(result: StreamResult, offline: list[Word]) -> list[WordTiming]:
         sent_t = result.started_at + word.end_s / result.speed
         timings.append(WordTiming(text, word.end_s, shown_t - sent_t, committed_t - sent_t))
     return timings
+
+
+def withdrawn_words(partials: Iterable[tuple[int, list[str]]], finals: dict[int, list[str]]) -> int:
+    """Words a partial showed that its utterance's final does not hold (flicker).
+
+    Each partial (utterance, words shown) is aligned with the final's words (normalized, longest matching
+    runs in order); a shown word left unmatched was withdrawn. The same wrong word at the same place in
+    consecutive partials counts once; an utterance with no final withdrew every word it showed.
+    """
+    withdrawn: set[tuple[int, int, str]] = set()
+    for utterance, shown in partials:
+        final = [norm(w) for w in finals.get(utterance, [])]
+        words = [norm(w) for w in shown]
+        matcher = difflib.SequenceMatcher(a=words, b=final, autojunk=False)
+        kept = {block.a + k for block in matcher.get_matching_blocks() for k in range(block.size)}
+        withdrawn.update((utterance, i, w) for i, w in enumerate(words) if i not in kept and w)
+    return len(withdrawn)
+
+
+_SENTENCE_ENDS = (".", "?", "!", "…")
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    """A `transcript.final` as a client reads it."""
+
+    utterance: int
+    words: list[str]
+    continues: int | None = None
+    previous: list[str] | None = None  # the continued utterance's words as they read joined (None: unchanged)
+
+
+def joined_texts(finals: list[Final]) -> dict[int, list[str]]:
+    """Each utterance's words as they read last (a continuation may repair the end of the one before)."""
+    words: dict[int, list[str]] = {}
+    for f in finals:
+        if f.previous is not None and f.continues in words:
+            words[f.continues] = f.previous
+        words[f.utterance] = f.words
+    return words
+
+
+def rejoined(finals: list[Final], offline: list[Word]) -> tuple[int, int]:
+    """(utterances split at a pause that the speaker continued, how many of those joins read as the offline
+    transcript of the same audio reads there). A join reads right when the last word before it ends a
+    sentence exactly when the offline word does (the pair of words found next to each other offline); a
+    join whose pair the offline transcript does not hold is judged as one sentence."""
+    texts = joined_texts(finals)
+    pairs = zip(offline, offline[1:], strict=False)
+    reference = [(norm(a.text), norm(b.text), a.text.endswith(_SENTENCE_ENDS)) for a, b in pairs]
+    splits = ok = 0
+    for f in finals:
+        before = texts.get(f.continues) if f.continues is not None else None
+        if not before or not f.words:
+            continue
+        splits += 1
+        last, first = before[-1], f.words[0]
+        ends = last.endswith(_SENTENCE_ENDS)
+        offline_ends = next((e for a, b, e in reference if a == norm(last) and b == norm(first)), False)
+        ok += ends == offline_ends
+    return splits, ok

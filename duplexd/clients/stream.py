@@ -55,7 +55,14 @@ class StreamResult:
 
     @property
     def text(self) -> str:
-        return " ".join(f["text"] for f in self.finals).strip()
+        """The finals joined, each utterance as it reads last: a final that continues an earlier one
+        (`continues`) may repair how that one ends (`previous_text`)."""
+        texts: dict[int, str] = {}
+        for final in self.finals:
+            if "previous_text" in final and final.get("continues") in texts:
+                texts[final["continues"]] = final["previous_text"]
+            texts[final["utterance"]] = final["text"]
+        return " ".join(texts.values()).strip()
 
 
 class SessionRefused(RuntimeError):

@@ -250,8 +250,13 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
                 "words": _words(words),
                 "committed": c,
             }
-        case ev.UtteranceFinalized(utterance=u, words=words):
-            return {"type": ServerType.TRANSCRIPT_FINAL, "utterance": u, "text": event.text, "words": _words(words)}
+        case ev.UtteranceFinalized(utterance=u, words=words, continues=continues, previous=previous):
+            final = {"type": ServerType.TRANSCRIPT_FINAL, "utterance": u, "text": event.text, "words": _words(words)}
+            if continues is not None:
+                final["continues"] = continues
+            if previous is not None:
+                final["previous_text"] = " ".join(w.text for w in previous)
+            return final
         case ev.TurnEnded(turn=turn, text=text, eos_s=eos, silence_ms=silence, p_end=p):
             return {
                 "type": ServerType.TURN_ENDED,

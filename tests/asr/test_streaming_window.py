@@ -438,3 +438,108 @@ def test_speech_during_a_final_pass_opens_the_next_utterance() -> None:
     assert isinstance(final, UtteranceFinalized) and final.utterance == 2
     assert texts(final.words) == ["again"] and final.words[0].start_s == pytest.approx(1.6)
     assert not t.wants_pass()
+
+
+# -- an utterance finalized at a pause, continued -------------------------------------------------------
+
+SUNDAY = [("I", 0.1, 0.2), ("said", 0.3, 0.6), ("Sunday", 0.7, 1.1), ("is", 1.2, 1.3), ("the", 1.4, 1.5)]
+SUNDAY += [("best.", 1.6, 2.0)]
+
+
+def _finalized_at_a_pause() -> tuple[StreamingTranscriber, UtteranceFinalized]:
+    """ "I said Sunday is the best." said from 1.1 s to 3.0 s, finalized at the pause at 3.2 s; the speaker
+    goes on at 3.3 s."""
+    t = StreamingTranscriber(AsrConfig())
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    feed(t, 2.2)
+    t.speech_stopped(3.2, voiced_end_s=3.05)
+    (done,) = t.apply_pass(t.prepare_pass(), result(SUNDAY))
+    assert isinstance(done, UtteranceFinalized) and done.continues is None
+    feed(t, 0.1)
+    t.speech_started(3.2, continues=True)
+    feed(t, 1.0)
+    return t, done
+
+
+def test_a_continuation_is_decoded_from_the_last_words_before_the_pause_at_a_word_boundary() -> None:
+    t, done = _finalized_at_a_pause()
+    request = t.prepare_pass()
+    # Its words starting in its last 1.5 s ("Sunday is the best."), from where the word before them ended.
+    assert request.start_sample == int(1.6 * SR)
+    np.testing.assert_allclose(request.audio[:3], np.arange(1.6 * SR, 1.6 * SR + 3) / 1e6)  # the ring kept it
+    assert request.prompt == "I said"  # only text whose audio is not in the window (else it is skipped)
+
+
+def test_a_continuation_tells_its_words_from_the_context_by_text_not_by_time() -> None:
+    t, _ = _finalized_at_a_pause()
+    request = t.prepare_pass()
+    # Across the pause the aligner places words anywhere: "part" starts before the old end of speech.
+    said = [("Sunday", 0.1, 0.5), ("is", 0.6, 0.7), ("the", 0.8, 0.9), ("best", 1.0, 1.2)]
+    (e,) = t.apply_pass(request, result([*said, ("part", 1.3, 1.6)]))
+    assert isinstance(e, TranscriptUpdated) and (e.utterance, texts(e.words)) == (2, ["part"])
+    feed(t, 0.5)
+    hypothesis = [*said, ("part", 1.3, 1.6), ("of", 1.8, 1.9)]
+    t.apply_pass(t.prepare_pass(), result(hypothesis))
+    t.speech_stopped(4.6)
+    (final,) = t.apply_pass(t.prepare_pass(), result([*hypothesis, ("it.", 2.0, 2.3)]))
+    assert isinstance(final, UtteranceFinalized)
+    assert texts(final.words) == ["part", "of", "it."]  # the context's words are not repeated
+    # ... and the join reads as one sentence: "Sunday is the best part of it."
+    assert final.continues == 1
+    assert final.previous is not None and texts(final.previous) == ["I", "said", "Sunday", "is", "the", "best"]
+
+
+def test_a_join_that_keeps_its_sentence_end_changes_nothing_before() -> None:
+    t, _ = _finalized_at_a_pause()
+    t.speech_stopped(4.2)
+    words = [("Sunday", 0.1, 0.5), ("is", 0.6, 0.7), ("the", 0.8, 0.9), ("best.", 1.0, 1.4), ("Really.", 1.8, 2.1)]
+    (final,) = t.apply_pass(t.prepare_pass(), result(words))
+    assert isinstance(final, UtteranceFinalized)
+    assert (texts(final.words), final.continues, final.previous) == (["Really."], 1, None)
+
+
+def test_a_continuation_without_its_context_keeps_the_words_after_it() -> None:
+    t, _ = _finalized_at_a_pause()
+    t.speech_stopped(4.2)
+    request = t.prepare_pass()
+    offset_s = request.start_sample / SR
+    # The decoder skipped the context: words are kept from the end of the finalized speech on (by time).
+    words = [("um", 2.6 - offset_s, 2.8 - offset_s), ("part", 3.3 - offset_s, 3.6 - offset_s)]
+    (final,) = t.apply_pass(request, result(words))
+    assert isinstance(final, UtteranceFinalized)
+    assert (texts(final.words), final.continues, final.previous) == (["part"], 1, None)
+
+
+def test_fresh_speech_after_a_final_is_no_continuation() -> None:
+    t, _ = _finalized_at_a_pause()
+    t.speech_stopped(4.2)
+    t.apply_pass(t.prepare_pass(), result([("part.", 1.8, 2.2)]))
+    feed(t, 2.0)
+    onset = t.samples
+    t.speech_started(onset / SR)
+    feed(t, 0.5)
+    t.speech_stopped(t.samples / SR)
+    request = t.prepare_pass()
+    assert request.start_sample == onset  # from its own onset: no context before it
+    (final,) = t.apply_pass(request, result([("Next.", 0.6, 0.9)]))
+    assert isinstance(final, UtteranceFinalized) and final.continues is None
+
+
+@pytest.mark.parametrize(("probability", "shown"), [(0.2, ["hello"]), (0.9, ["hello", "world"])])
+def test_an_unsure_last_word_at_the_end_of_the_audio_waits_for_the_next_pass(
+    probability: float, shown: list[str]
+) -> None:
+    t = _open_at_1s()
+    request = t.prepare_pass()
+    end_s = len(request.audio) / SR  # "world" runs to the end of the audio: it may be cut off mid-word
+    words = (Word("hello", 0.0, 0.1), Word("world", 0.12, end_s))
+    cut = Transcription((Segment(0.0, end_s, words, 0.0, -0.1, (0.9, probability)),))
+    (e,) = t.apply_pass(request, cut)
+    assert isinstance(e, TranscriptUpdated) and texts(e.words) == shown
+    feed(t, 0.5)
+    request = t.prepare_pass()
+    heard_past = (Word("hello", 0.0, 0.1), Word("world", 0.12, end_s), Word("again", end_s + 0.1, end_s + 0.3))
+    done = Transcription((Segment(0.0, end_s + 0.3, heard_past, 0.0, -0.1, (0.9, probability, 0.9)),))
+    (e,) = t.apply_pass(request, done)  # a pass heard past it: shown, whatever its probability
+    assert isinstance(e, TranscriptUpdated) and texts(e.words) == ["hello", "world", "again"]

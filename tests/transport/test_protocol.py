@@ -193,6 +193,17 @@ ENCODED = [
         {"type": "transcript.final", "utterance": 3, "text": "hello world", "words": WORDS},
     ),
     (
+        ev.UtteranceFinalized(utterance=4, words=(W2,), continues=3, previous=(W1,)),
+        {
+            "type": "transcript.final",
+            "utterance": 4,
+            "text": "world",
+            "words": WORDS[1:],
+            "continues": 3,
+            "previous_text": "hello",
+        },
+    ),
+    (
         ev.TurnEnded(turn=2, text="What time is it?", eos_s=3.2104, silence_ms=412.04, p_end=0.123456),
         {
             "type": "turn.ended",

@@ -1,0 +1,119 @@
+"""Replay a recording through one session's streaming recognizer in virtual time, in this process.
+
+The real VAD and the real ASR engine run; only the clock is simulated: audio arrives in 20 ms frames at
+real-time pace, and a pass's result comes back `pass_s(window)` later in stream time (by default the pass's
+own measured wall time, as on a server serving one stream). What the session sees, and when, is then what a
+real-time client gets from `duplexd serve`, but repeatable and without sockets, so each knob of the
+recognizer can be measured on its own (`duplexd bench asr` reports these next to the served figures).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from duplexd.asr.engine import AsrEngine, Transcription
+from duplexd.asr.streaming import PassRequest
+from duplexd.asr.vad import SileroVad
+from duplexd.bench.latency import Final, joined_texts, withdrawn_words
+from duplexd.events import TranscriptUpdated, UtteranceFinalized, Word
+from duplexd.streaming.session import Session, SessionConfig
+
+RATE = 16_000
+FRAME_S = 0.02
+
+
+@dataclass(slots=True)
+class Replayed:
+    """What the client would have received, each with its stream time."""
+
+    partials: list[tuple[float, TranscriptUpdated]] = field(default_factory=list)
+    finals: list[tuple[float, UtteranceFinalized]] = field(default_factory=list)
+    passes: int = 0
+    busy_s: float = 0.0
+    costs: list[tuple[float, float]] = field(default_factory=list)  # (window s, wall s) of each pass
+
+    @property
+    def text(self) -> str:
+        return " ".join(" ".join(words) for words in joined_texts(self.as_read()).values()).strip()
+
+    def as_read(self) -> list[Final]:
+        def texts(words: tuple[Word, ...] | None) -> list[str] | None:
+            return None if words is None else [w.text for w in words]
+
+        return [Final(f.utterance, [w.text for w in f.words], f.continues, texts(f.previous)) for _, f in self.finals]
+
+    def flicker(self) -> tuple[int, int]:
+        """(words shown then withdrawn, words finalized): see `withdrawn_words`."""
+        partials = [(p.utterance, [w.text for w in p.words]) for _, p in self.partials]
+        finals = {f.utterance: [w.text for w in f.words] for _, f in self.finals}
+        return withdrawn_words(partials, finals), sum(len(words) for words in finals.values())
+
+
+def replay(
+    pcm: np.ndarray,
+    engine: AsrEngine,
+    vad: SileroVad,
+    config: SessionConfig,
+    pass_s: Callable[[float, float], float] | None = None,
+) -> Replayed:
+    """Stream int16 16 kHz `pcm` through a fresh session. `pass_s(window_s, wall_s)`: how long a pass takes
+    in stream time (default: its wall time here)."""
+    session = Session("replay", RATE, config)
+    out = Replayed()
+    due: list[tuple[float, int, PassRequest, Transcription]] = []  # results in flight, by arrival time
+    step = int(FRAME_S * RATE)
+    seq = 0
+
+    def record(t: float, events: list) -> None:
+        for ev in events:
+            if isinstance(ev, TranscriptUpdated):
+                out.partials.append((t, ev))
+            elif isinstance(ev, UtteranceFinalized):
+                out.finals.append((t, ev))
+
+    def run_until(t: float) -> None:
+        while True:
+            while due and due[0][0] <= t:
+                at, _, request, result = heapq.heappop(due)
+                record(at, session.apply_pass(request, result))
+            if not session.wants_pass():
+                return
+            request = session.prepare_pass()
+            t0 = time.perf_counter()
+            result = engine.transcribe(request.audio, request.prompt)
+            wall = time.perf_counter() - t0
+            out.passes += 1
+            out.busy_s += wall
+            out.costs.append((len(request.audio) / RATE, wall))
+            window_s = len(request.audio) / RATE
+            cost = wall if pass_s is None else pass_s(window_s, wall)
+            heapq.heappush(due, (t + cost, out.passes, request, result))
+            if not due or due[0][0] > t:
+                return
+
+    def feed(chunks: np.ndarray, t: float) -> None:
+        if len(chunks):
+            (probs,) = vad.probabilities([session.vad_stream], [chunks])
+            record(t, session.apply_vad(chunks, probs, t))
+        run_until(t)
+
+    for start in range(0, len(pcm), step):
+        t = (start + step) / RATE
+        run_until(t)
+        feed(session.accept_frame(seq, pcm[start : start + step].astype("<i2").tobytes(), t), t)
+        seq += 1
+    t = len(pcm) / RATE
+    feed(session.flush_audio(), t)
+    session.end_of_stream()
+    while session.transcriber.active:
+        run_until(t)
+        if due:
+            t = max(t, due[0][0])
+        elif not session.wants_pass():
+            record(t, session.finish_without_pass())
+    return out
