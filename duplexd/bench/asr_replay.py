@@ -13,13 +13,17 @@ import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from duplexd.asr.commit import norm
 from duplexd.asr.engine import AsrEngine, Transcription
 from duplexd.asr.streaming import PassRequest
 from duplexd.asr.vad import SileroVad
-from duplexd.bench.latency import Final, joined_texts, withdrawn_words
+from duplexd.bench.data import wer
+from duplexd.bench.latency import Final, joined_texts, rejoined, withdrawn_words
+from duplexd.clients.stats import percentile
 from duplexd.events import TranscriptUpdated, UtteranceFinalized, Word
 from duplexd.streaming.session import Session, SessionConfig
 
@@ -117,3 +121,61 @@ def replay(
         elif not session.wants_pass():
             record(t, session.finish_without_pass())
     return out
+
+
+def fit_pass_cost(costs: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares `fixed + per_s x window` (seconds) over measured (window, wall) passes."""
+    x = np.array(costs, dtype=np.float64)
+    design = np.stack([np.ones(len(x)), x[:, 0]], axis=1)
+    (fixed, per_s), *_ = np.linalg.lstsq(design, x[:, 1], rcond=None)
+    return float(fixed), float(per_s)
+
+
+def replay_clips(
+    clips: list[tuple[np.ndarray, str, list[Word]]],
+    engine: AsrEngine,
+    vad: SileroVad,
+    config: SessionConfig,
+    pass_cost: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """Each (pcm, reference, offline words) replayed alone (plus 1 s of silence): WER, flicker, the joins
+    of split utterances, and word latency (first shown in its final form, minus the word's end). With
+    `pass_cost` (fixed, per second of window) a pass takes that long, so two configurations meet the same
+    clock; else its own wall time. Also the pass cost fitted from the measured passes."""
+    cost = None if pass_cost is None else (lambda window_s, _wall: pass_cost[0] + pass_cost[1] * window_s)
+    texts: list[str] = []
+    withdrawn = final_words = splits = rejoins = 0
+    latencies: list[float] = []
+    costs: list[tuple[float, float]] = []
+    for pcm, _ref, offline in clips:
+        r = replay(np.concatenate([pcm, np.zeros(RATE, np.int16)]), engine, vad, config, cost)
+        texts.append(r.text)
+        n, total = r.flicker()
+        withdrawn, final_words = withdrawn + n, final_words + total
+        n, ok = rejoined(r.as_read(), offline)
+        splits, rejoins = splits + n, rejoins + ok
+        costs += r.costs
+        shown = [*r.partials, *r.finals]
+        for _, final in r.finals:
+            for i, word in enumerate(final.words):
+                first = next(
+                    t
+                    for t, e in shown
+                    if e.utterance == final.utterance and len(e.words) > i and _same(e.words[i], word)
+                )
+                latencies.append(first - word.end_s)
+    fixed, per_s = fit_pass_cost(costs)
+    return {
+        "wer": wer([ref for _, ref, _ in clips], texts),
+        "flicker_per_100_words": 100 * withdrawn / max(final_words, 1),
+        "split_utterances_rejoined": {"splits": splits, "rejoined": rejoins},
+        "word_latency_p50_s": percentile(latencies, 50),
+        "word_latency_p90_s": percentile(latencies, 90),
+        "passes": len(costs),
+        "pass_cost": {"fixed_s": fixed, "per_window_s": per_s, "mean_s": float(np.mean([w for _, w in costs]))},
+        "texts": texts,
+    }
+
+
+def _same(a: Word, b: Word) -> bool:
+    return norm(a.text) == norm(b.text)

@@ -55,3 +55,19 @@ def test_the_prompt_is_cut_to_its_last_whole_words(engines) -> None:
     kept = asr._tokenizer.decode(tokens).strip()
     assert kept != text and text.endswith(" " + kept)  # the newest whole words, none cut in half
     assert asr._clip_prompt("") == []
+
+
+def test_the_packaged_whisper_base_is_a_config_choice(
+    clip_by_name: dict[str, Clip], tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from duplexd.asr.engine import FasterWhisperEngine, resolve_asr_model
+    from duplexd.config import AsrConfig
+
+    monkeypatch.setenv("DUPLEXD_MODEL_CACHE", str(tmp_path))
+    folder = resolve_asr_model("base")  # joined from its two wheels into the model cache, once
+    assert folder.startswith(str(tmp_path)) and resolve_asr_model("base") == folder
+    engine = FasterWhisperEngine(AsrConfig(model="base"))
+    assert engine.name.startswith("whisper-base") and engine._model.model.is_multilingual
+    clip = clip_by_name["clip02_libri_1272-128104-0000.wav"]
+    result = engine.transcribe(_audio(clip), "")
+    assert wer([clip.text or ""], [" ".join(w.text for w in result.words)]) <= 0.1

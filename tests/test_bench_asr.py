@@ -1,0 +1,55 @@
+"""`duplexd bench asr`'s readability measures, and its in-process replay on a real clip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duplexd.bench.latency import Final, rejoined, withdrawn_words
+from duplexd.events import Word
+
+
+def test_withdrawn_words_are_shown_words_the_final_does_not_hold() -> None:
+    partials = [
+        (1, ["She"]),
+        (1, ["Shit."]),  # withdrawn
+        (1, ["She", "had", "your", "ducks."]),  # "ducks" withdrawn
+        (1, ["She", "had", "your", "ducks"]),  # the same wrong word at the same place: counted once
+        (1, ["She", "had", "your", "dark", "suit"]),
+        (2, ["never", "finalized"]),  # an utterance without a final withdrew all it showed
+    ]
+    finals = {1: ["She", "had", "your", "dark", "suit."]}
+    assert withdrawn_words(partials, finals) == 4
+
+
+def _words(text: str) -> list[Word]:
+    return [Word(w, i, i + 0.5) for i, w in enumerate(text.split())]
+
+
+def test_a_join_reads_right_when_its_sentence_end_matches_the_offline_transcript() -> None:
+    offline = _words("Sunday is the best part of the week. Really.")
+    repaired = [Final(1, ["Sunday", "is", "the", "best."]), Final(2, ["part", "of", "the", "week."], 1, ["best"])]
+    assert rejoined(repaired, offline) == (1, 1)
+    unrepaired = [Final(1, ["Sunday", "is", "the", "best."]), Final(2, ["part", "of", "the", "week."], 1)]
+    assert rejoined(unrepaired, offline) == (1, 0)
+    kept = [Final(1, ["the", "week."]), Final(2, ["Really."], 1)]  # offline ends the sentence there too
+    assert rejoined(kept, offline) == (1, 1)
+    assert rejoined([Final(1, ["the", "week."]), Final(2, ["Really."])], offline) == (0, 0)  # not a split
+
+
+@pytest.mark.slow
+def test_the_replay_transcribes_a_clip_split_at_its_pause_as_one_sentence(engines, clip_by_name) -> None:
+    from duplexd.asr.vad import SileroVad
+    from duplexd.bench.asr_replay import replay_clips
+    from duplexd.clients.stream import read_audio
+    from duplexd.streaming.session import SessionConfig
+
+    clip = clip_by_name["clip13_sb_spk1_snt5.wav"]  # "Sunday is the best [pause] part of the week."
+    pcm, _ = read_audio(clip.path)
+    offline = engines.asr.transcribe_offline(pcm.astype(np.float32) / 32768).words
+    # A fixed pass cost: the same clock whatever this machine's load.
+    r = replay_clips([(pcm, clip.text or "", offline)], engines.asr, SileroVad(), SessionConfig(), (0.5, 0.06))
+    assert r["wer"] == 0.0
+    assert r["split_utterances_rejoined"] == {"splits": 1, "rejoined": 1}
+    assert r["texts"] == ["Sunday is the best part of the week."]
+    assert 0.0 < r["word_latency_p50_s"] <= r["word_latency_p90_s"] < 3.0
