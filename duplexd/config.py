@@ -55,7 +55,7 @@ class AsrConfig:
     cpu_threads: int = 0  # 0: all cores
     beam_size: int = 1
     language: str = "en"
-    agreement_n: int = 2  # LocalAgreement-n
+    agreement_n: int = 3  # LocalAgreement-n
     max_window_s: float = 15.0
     trim_after_s: float = 5.0  # trim at a committed sentence or segment end once the window is this long
     min_new_audio_s: float = 0.2  # a pass runs only once this much new speech has arrived

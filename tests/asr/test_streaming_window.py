@@ -113,7 +113,10 @@ def _open_at_1s() -> StreamingTranscriber:
 
 
 def test_agreeing_hypotheses_commit_in_the_partial() -> None:
-    t = _open_at_1s()
+    t = StreamingTranscriber(AsrConfig(agreement_n=2))
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    feed(t, 0.256)
     r1 = t.prepare_pass()
     (e1,) = t.apply_pass(r1, result(HELLO))
     assert isinstance(e1, TranscriptUpdated)
@@ -133,6 +136,17 @@ def test_agreeing_hypotheses_commit_in_the_partial() -> None:
 
     feed(t, 0.256)
     assert t.apply_pass(t.prepare_pass(), result(HELLO_AGAIN)) == []  # nothing changed: no event
+
+
+def test_three_passes_must_agree_by_default() -> None:
+    t = _open_at_1s()
+    t.apply_pass(t.prepare_pass(), result(HELLO))
+    feed(t, 0.256)
+    (e,) = t.apply_pass(t.prepare_pass(), result(HELLO_AGAIN))
+    assert (texts(e.words), e.committed) == (["hello", "world", "again"], 0)
+    feed(t, 0.256)
+    (e,) = t.apply_pass(t.prepare_pass(), result(HELLO_AGAIN))
+    assert (texts(e.words), e.committed) == (["hello", "world", "again"], 2)
 
 
 def test_disagreeing_hypotheses_commit_nothing() -> None:

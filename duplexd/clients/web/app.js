@@ -162,6 +162,7 @@ async function start() {
     current: null, // the reply in progress (an entry of pub.replies)
     replyEls: new Map(), // reply number -> element
     utteranceEls: new Map(), // utterance number -> element
+    finalLines: new Map(), // utterance number -> {el, text, index}: the newest finals, which speech may continue
     lastPlaybackMs: 0,
     endTimer: null,
     resume: null, // session.started.resume {token, grace_s}
@@ -448,9 +449,22 @@ function showFinal(s, ev) {
   const el = utteranceEl(s, ev.utterance);
   s.utteranceEls.delete(ev.utterance);
   if (!ev.text.trim()) return el.remove();
+  const before = ev.continues !== undefined ? s.finalLines.get(ev.continues) : undefined;
+  if (before) {
+    // The speaker went on after a pause: one line, one sentence ("the best" + "part of the week.").
+    el.remove();
+    before.text = (ev.previous_text ?? before.text) + " " + ev.text;
+    before.el.textContent = before.text;
+    pub.transcriptFinal[before.index] = before.text;
+    s.finalLines.delete(ev.continues);
+    s.finalLines.set(ev.utterance, before);
+    return;
+  }
   el.className = "final";
   el.textContent = ev.text;
   pub.transcriptFinal.push(ev.text);
+  s.finalLines.set(ev.utterance, { el, text: ev.text, index: pub.transcriptFinal.length - 1 });
+  for (const n of s.finalLines.keys()) if (s.finalLines.size > 4) s.finalLines.delete(n); // (only the newest continue)
 }
 
 function utteranceEl(s, n) {
