@@ -33,15 +33,23 @@ class SpeechStopped:
 
 @dataclass(frozen=True, slots=True)
 class TranscriptUpdated:
-    """Partial transcript of the current utterance: `words[:committed]` are final, the rest may change."""
+    """Partial transcript of the current utterance: `words[:committed]` are final, the rest may change.
+    `unsure`: how many of the last words a display holds back (a word at the end of the audio decoded that
+    may be cut off mid-way); the listener's own stages (drafts, barge-in) read them all."""
 
     utterance: int
     words: tuple[Word, ...]
     committed: int
+    unsure: int = 0
+
+    @property
+    def shown(self) -> tuple[Word, ...]:
+        """The words a client is sent."""
+        return self.words[: len(self.words) - self.unsure]
 
     @property
     def text(self) -> str:
-        return " ".join(w.text for w in self.words)
+        return " ".join(w.text for w in self.shown)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,18 +38,19 @@ def test_a_join_reads_right_when_its_sentence_end_matches_the_offline_transcript
 
 
 @pytest.mark.slow
-def test_the_replay_transcribes_a_clip_split_at_its_pause_as_one_sentence(engines, clip_by_name) -> None:
+def test_the_replay_rejoins_a_sentence_split_at_its_pauses(engines, clip_by_name) -> None:
     from duplexd.asr.vad import SileroVad
     from duplexd.bench.asr_replay import replay_clips
     from duplexd.clients.stream import read_audio
     from duplexd.streaming.session import SessionConfig
 
-    clip = clip_by_name["clip13_sb_spk1_snt5.wav"]  # "Sunday is the best [pause] part of the week."
+    clip = clip_by_name["clip03_libri_2412-153948-0000.wav"]  # "... excuse me [pause] I will say ..."
     pcm, _ = read_audio(clip.path)
     offline = engines.asr.transcribe_offline(pcm.astype(np.float32) / 32768).words
     # A fixed pass cost: the same clock whatever this machine's load.
     r = replay_clips([(pcm, clip.text or "", offline)], engines.asr, SileroVad(), SessionConfig(), (0.5, 0.06))
-    assert r["wer"] == 0.0
-    assert r["split_utterances_rejoined"] == {"splits": 1, "rejoined": 1}
-    assert r["texts"] == ["Sunday is the best part of the week."]
+    assert r["wer"] <= 0.05
+    splits = r["split_utterances_rejoined"]["splits"]
+    assert splits >= 1 and r["split_utterances_rejoined"]["rejoined"] >= splits - 1
+    assert "excuse me, I will say" in r["texts"][0]  # "me." repaired at the join
     assert 0.0 < r["word_latency_p50_s"] <= r["word_latency_p90_s"] < 3.0

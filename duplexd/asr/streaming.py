@@ -114,7 +114,7 @@ class StreamingTranscriber:
         self._last_final: tuple[int, tuple[Word, ...], int] | None = None  # number, words, window start
         self._join: Word | None = None  # a continuation's pass found the last context word: as it read there
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
-        self._last_partial: tuple[tuple[Word, ...], int] | None = None
+        self._last_partial: tuple[tuple[Word, ...], int, int] | None = None
         self._in_flight = False
         self._behind = False  # the ring overflowed and no pass has come back since
 
@@ -379,16 +379,15 @@ class StreamingTranscriber:
     def _partial(self) -> list[Event]:
         tentative = self._agreement.tentative
         at_edge = tentative and tentative[-1].end_s * ASR_SAMPLE_RATE >= self._decoded_until - self._edge
-        if at_edge and self._edge_probability < self._config.partial_edge_probability:
-            # The last word runs to the end of the audio: it may be a word cut off mid-way, which the decoder
-            # completes as it likes ("She..." -> "Shit."). Shown once a pass has heard past it.
-            tentative = tentative[:-1]
+        # The last word runs to the end of the audio: it may be a word cut off mid-way, which the decoder
+        # completes as it likes ("She..." -> "Shit."). Shown once a pass has heard past it.
+        unsure = int(bool(at_edge) and self._edge_probability < self._config.partial_edge_probability)
         words = (*self._committed, *tentative)
-        state = (words, len(self._committed))
+        state = (words, len(self._committed), unsure)
         if not words or state == self._last_partial:
             return []
         self._last_partial = state
-        return [TranscriptUpdated(self._utterance, words, len(self._committed))]
+        return [TranscriptUpdated(self._utterance, words, len(self._committed), unsure)]
 
     def _trim(self, request: PassRequest, result: Transcription) -> None:
         """Keep windows short: every pass decodes its whole window again, so its cost grows with it."""

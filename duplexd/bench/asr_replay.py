@@ -53,7 +53,7 @@ class Replayed:
 
     def flicker(self) -> tuple[int, int]:
         """(words shown then withdrawn, words finalized): see `withdrawn_words`."""
-        partials = [(p.utterance, [w.text for w in p.words]) for _, p in self.partials]
+        partials = [(p.utterance, [w.text for w in p.shown]) for _, p in self.partials]
         finals = {f.utterance: [w.text for w in f.words] for _, f in self.finals}
         return withdrawn_words(partials, finals), sum(len(words) for words in finals.values())
 
@@ -155,13 +155,11 @@ def replay_clips(
         n, ok = rejoined(r.as_read(), offline)
         splits, rejoins = splits + n, rejoins + ok
         costs += r.costs
-        shown = [*r.partials, *r.finals]
+        shown = [(t, p.utterance, p.shown) for t, p in r.partials] + [(t, f.utterance, f.words) for t, f in r.finals]
         for _, final in r.finals:
             for i, word in enumerate(final.words):
                 first = next(
-                    t
-                    for t, e in shown
-                    if e.utterance == final.utterance and len(e.words) > i and _same(e.words[i], word)
+                    t for t, u, words in shown if u == final.utterance and len(words) > i and _same(words[i], word)
                 )
                 latencies.append(first - word.end_s)
     fixed, per_s = fit_pass_cost(costs)

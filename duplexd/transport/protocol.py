@@ -242,12 +242,12 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
             return {"type": ServerType.SPEECH_STARTED, "t": round(t, 3)}
         case ev.SpeechStopped(t_s=t):
             return {"type": ServerType.SPEECH_STOPPED, "t": round(t, 3)}
-        case ev.TranscriptUpdated(utterance=u, words=words, committed=c):
+        case ev.TranscriptUpdated(utterance=u, committed=c):
             return {
                 "type": ServerType.TRANSCRIPT_PARTIAL,
                 "utterance": u,
                 "text": event.text,
-                "words": _words(words),
+                "words": _words(event.shown),
                 "committed": c,
             }
         case ev.UtteranceFinalized(utterance=u, words=words, continues=continues, previous=previous):
