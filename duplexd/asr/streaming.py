@@ -43,6 +43,17 @@ class PassRequest:
     generation: int  # which utterance it was taken for
 
 
+@dataclass(frozen=True, slots=True)
+class _Resumable:
+    """A final that speech resuming at a pause continues: its words, and where a continuation's window
+    starts (a word boundary) with which of its words (`context`), found again by text."""
+
+    utterance: int
+    words: tuple[Word, ...]
+    start: int
+    context: tuple[Word, ...]
+
+
 @dataclass(slots=True)
 class _Next:
     end: int | None
@@ -108,10 +119,8 @@ class StreamingTranscriber:
         self._decoded_until = 0
         self._final_end: int | None = None
         self._voiced_end_s: float | None = None  # where VAD last heard speech in the open utterance
-        # The open utterance continues this finalized one (its number and words): its window starts with
-        # the end of that one's speech, whose words are found again by text and not repeated.
-        self._continues: tuple[int, tuple[Word, ...]] | None = None
-        self._last_final: tuple[int, tuple[Word, ...], int] | None = None  # number, words, window start
+        self._resumable: _Resumable | None = None  # the last final, while speech may continue it
+        self._continues: _Resumable | None = None  # the final the open utterance continues
         self._join: Word | None = None  # a continuation's pass found the last context word: as it read there
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
         self._last_partial: tuple[tuple[Word, ...], int, int] | None = None
@@ -184,18 +193,15 @@ class StreamingTranscriber:
         self._active = True
         self._utterance += 1
         self._generation += 1
-        context = self._context() if continues else None
-        self._continues = None
+        self._continues = self._resumable if continues else None
         self._join = None
-        if context is not None:
-            context_start, words = context
-            start = max(self._ring.start, min(start, context_start))
-            self._continues = (self._last_final[0] if self._last_final else 0, words)
+        if self._continues is not None:
+            start = max(self._ring.start, min(start, self._continues.start))
             self._agreement = LocalAgreement(self._config.agreement_n)  # (new words are told apart by text)
         elif continues:
             start = max(self._ring.start, start - int(_CONTEXT_S * ASR_SAMPLE_RATE))
         else:
-            self._last_final = None
+            self._resumable = None
         self._window_start = self._decoded_until = start
         self._final_end = None
         self._voiced_end_s = None
@@ -304,7 +310,7 @@ class StreamingTranscriber:
         events: list[Event] = []
         if words:
             events.append(UtteranceFinalized(self._utterance, words, *self._joined()))
-        self._last_final = (self._utterance, words, self._window_start)
+        self._resumable = _resumable(self._utterance, words, self._window_start) if words else None
         end = self._final_end if self._final_end is not None else self._ring.end
         self._active = False
         self._final_end = None
@@ -322,27 +328,14 @@ class StreamingTranscriber:
 
     # -- continuing an utterance finalized at a pause -------------------------------------------------
 
-    def _context(self) -> tuple[int, tuple[Word, ...]] | None:
-        """Where a continuation of the last final starts its window, and that final's words it covers: its
-        words that start within `_CONTEXT_S` of its end (at least `_CONTEXT_MIN_WORDS`), from the end of the
-        word before them (a word boundary, so no word is cut in half). None: no final with words to go on."""
-        if self._last_final is None or not self._last_final[1]:
-            return None
-        _, words, window_start = self._last_final
-        k = len(words) - 1
-        while k > 0 and (len(words) - k < _CONTEXT_MIN_WORDS or words[k - 1].start_s >= words[-1].end_s - _CONTEXT_S):
-            k -= 1
-        start_s = words[k - 1].end_s if k > 0 else window_start / ASR_SAMPLE_RATE
-        return max(window_start, int(start_s * ASR_SAMPLE_RATE)), words[k:]
-
     def _idle_floor(self) -> int:
         """The oldest sample to keep while no utterance is open: the preroll and context of a fresh onset,
         or the start of a continuation's window while speech could still resume (it does within VAD's
         silence hangover, so a context older than `_CONTINUE_WITHIN_S` is let go)."""
         floor = self._ring.end - int((self._config.preroll_s + _CONTEXT_S) * ASR_SAMPLE_RATE)
-        context = self._context()
-        if context is not None and self._ring.end - context[0] <= _CONTINUE_WITHIN_S * ASR_SAMPLE_RATE:
-            floor = min(floor, context[0])
+        resumable = self._resumable
+        if resumable is not None and self._ring.end - resumable.start <= _CONTINUE_WITHIN_S * ASR_SAMPLE_RATE:
+            floor = min(floor, resumable.start)
         return floor
 
     def _after_context(self, words: list[Word]) -> list[Word]:
@@ -350,7 +343,7 @@ class StreamingTranscriber:
         times jitter across the pause by more than any tolerance). The last of them, as it reads now, is
         the join. When the hypothesis does not hold them, words that start after the context are new."""
         assert self._continues is not None
-        context = [norm(w.text) for w in self._continues[1]]
+        context = [norm(w.text) for w in self._continues.context]
         head = [norm(w.text) for w in words[: len(context) + _ALIGN_SLACK]]
         matcher = difflib.SequenceMatcher(a=context, b=head, autojunk=False)
         blocks = [b for b in matcher.get_matching_blocks() if b.size]
@@ -360,7 +353,7 @@ class StreamingTranscriber:
             if last.a + last.size == len(context):
                 self._join = words[cut - 1]
             return words[cut:]
-        end_s = self._continues[1][-1].end_s
+        end_s = self._continues.context[-1].end_s
         return [w for w in words if w.start_s >= end_s - _TIME_TOLERANCE_S]
 
     def _joined(self) -> tuple[int | None, tuple[Word, ...] | None]:
@@ -368,11 +361,8 @@ class StreamingTranscriber:
         with it (its last word as the continuation's pass decoded it with what followed), if they changed."""
         if self._continues is None:
             return None, None
-        number, context = self._continues
-        if self._join is None or self._last_final is None or self._last_final[0] != number:
-            return number, None
-        words = self._last_final[1]
-        if words[-1].text == self._join.text:
+        number, words = self._continues.utterance, self._continues.words
+        if self._join is None or words[-1].text == self._join.text:
             return number, None
         return number, (*words[:-1], Word(self._join.text, words[-1].start_s, words[-1].end_s))
 
@@ -423,3 +413,14 @@ class StreamingTranscriber:
                 break
             text = f"{word} {text}" if text else word
         return text
+
+
+def _resumable(utterance: int, words: tuple[Word, ...], window_start: int) -> _Resumable:
+    """What a continuation of this final decodes again: its words that start within `_CONTEXT_S` of its end
+    (at least `_CONTEXT_MIN_WORDS`), from the end of the word before them (a word boundary, so no word is
+    cut in half), else from its window's start."""
+    k = len(words) - 1
+    while k > 0 and (len(words) - k < _CONTEXT_MIN_WORDS or words[k - 1].start_s >= words[-1].end_s - _CONTEXT_S):
+        k -= 1
+    start_s = words[k - 1].end_s if k > 0 else window_start / ASR_SAMPLE_RATE
+    return _Resumable(utterance, words, max(window_start, int(start_s * ASR_SAMPLE_RATE)), words[k:])

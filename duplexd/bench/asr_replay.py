@@ -93,8 +93,8 @@ def replay(
             wall = time.perf_counter() - t0
             out.passes += 1
             out.busy_s += wall
-            out.costs.append((len(request.audio) / RATE, wall))
             window_s = len(request.audio) / RATE
+            out.costs.append((window_s, wall))
             cost = wall if pass_s is None else pass_s(window_s, wall)
             heapq.heappush(due, (t + cost, out.passes, request, result))
             if not due or due[0][0] > t:
