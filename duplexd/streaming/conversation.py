@@ -139,6 +139,7 @@ class Conversation:
         self.max_reply_tokens: int | None = None  # each reply's text ends after this many tokens (None: no cap)
         self._spoken: _Reply | None = None  # the last reply that ended, for `truncate`
         self._held_appends: list[AppendUserText] = []  # with auto_turns off: words not committed by the client
+        self._cleared_s = 0.0  # stream time of the last `clear`: words of audio before it never reach a turn
         self._unanswered = False  # a turn ended without a reply (auto_respond off, or `commit`)
         self._turn = turn
         self._tts = tts
@@ -196,7 +197,7 @@ class Conversation:
         if not new:
             return []
         self._sent[utt] = len(words)
-        texts = [w.text.strip() for w in new if w.text.strip()]
+        texts = [w.text.strip() for w in new if w.text.strip() and w.start_s >= self._cleared_s]
         if not texts:
             return []
         text = self._continuation(texts)
@@ -231,9 +232,11 @@ class Conversation:
         out = self._release_held()
         return out + self._end_turn(stream_s, 0.0, None, reply=self.auto_respond)
 
-    def clear(self) -> list[Output]:
+    def clear(self, stream_s: float) -> list[Output]:
         """Forget the words of the open turn that have not reached the LLM (with `auto_turns` off: all of
-        them since the last commit). Returns nothing: the shell confirms."""
+        them since the last commit), and those of audio before `stream_s` that the recognizer has yet to
+        commit (an utterance still open at the clear). Returns nothing: the shell confirms."""
+        self._cleared_s = stream_s
         dropped = len(self._held_appends)
         self._held_appends.clear()
         if dropped:
@@ -311,7 +314,12 @@ class Conversation:
         usually confirms), then the same without its last, least sure word."""
         if len(self._open) > 1:
             return []  # two utterances' words would reach the LLM in two appends: no single draft matches
-        tentative = [w.text.strip() for u in self._open for w in self._tentative.get(u, ()) if w.text.strip()]
+        tentative = [
+            w.text.strip()
+            for u in self._open
+            for w in self._tentative.get(u, ())
+            if w.text.strip() and w.start_s >= self._cleared_s
+        ]
         tails = [tentative, tentative[:-1]] if tentative else [[]]
         out: list[Output] = []
         for tail in tails[: self._max_drafts]:

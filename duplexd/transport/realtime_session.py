@@ -166,7 +166,7 @@ class RealtimeCodec:
                 await self._append(silence, now, limited=False)  # (ours, not the client's: not rate limited)
                 self._maybe_commit(now)
             case rt.AudioClear():
-                conv.clear()
+                conv.clear(session.stream_s)
                 self.out.user_item = None
                 self._ev("input_audio_buffer.cleared")
             case rt.OutputAudioClear():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from test_conversation import SR, new, of, start_reply, stream_reply, voice_all, words
 
 from duplexd import commands as cmd
-from duplexd.events import ReplyDone, ReplyInterrupted, TranscriptUpdated, TurnEnded
+from duplexd.events import ReplyDone, ReplyInterrupted, TranscriptUpdated, TurnEnded, UtteranceFinalized
 from duplexd.streaming import conversation as cv
 
 TEXT = "Paris is the capital of France. It is a big city."  # pieces: "Paris is the" (1 s), the rest (1 s each)
@@ -118,3 +118,17 @@ def test_a_later_reply_in_progress_leaves_the_last_one_uncut() -> None:
     first = finished(conv)
     assert of(conv.user_text("And Spain?") + conv.respond(10.0), cmd.StartReply)
     assert conv.truncate(first, 0) is None  # (the worker cuts only its last reply: the shell rebuilds)
+
+
+def test_a_clear_drops_the_words_of_cleared_audio_the_recognizer_commits_later() -> None:
+    conv = new()
+    conv.auto_turns = False
+    # "we must find a new home" (0-1.75 s) is still open at the clear: only two words are committed.
+    conv.observe([TranscriptUpdated(1, words("we must find a new home"), 2)])
+    assert conv.clear(2.0) == []
+    # The same utterance's final arrives after the clear, then the words said again (from 3 s).
+    conv.observe([UtteranceFinalized(1, words("we must find a new home"))])
+    conv.observe([TranscriptUpdated(2, words("we must find", start=3.0), 3)])
+    out = conv.commit(5.0)
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["we must find"]
+    assert of(out, TurnEnded)[0].text == "we must find"
