@@ -36,7 +36,11 @@ def load_engines(config: ServerConfig):
     if config.dialog.enabled:
         from duplexd.tts.engine import load_tts
 
-        if config.dialog.backend == "remote":  # replies stream from an OpenAI-compatible server elsewhere
+        if config.dialog.backend == "remote" and config.dialog.turn_model:
+            from duplexd.dialog.turn_scorer import TurnScoredEngine  # (the local model scores the turns)
+
+            dialog = TurnScoredEngine.from_config(config.dialog)
+        elif config.dialog.backend == "remote":  # replies stream from an OpenAI-compatible server elsewhere
             from duplexd.dialog.remote import RemoteDialogEngine
 
             dialog = RemoteDialogEngine.from_config(config.dialog)
@@ -412,10 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="fewer clips and shorter streams (a smoke run)")
     p.add_argument(
-        "--remote-llm", action="store_true", help="speculation: replies from a `duplexd serve-llm` (backend remote)"
+        "--remote-llm",
+        action="store_true",
+        help="speculation, voice: replies from a `duplexd serve-llm` (backend remote)",
     )
     p.add_argument("--streams", default="1,2,4", help="concurrency levels for the long streams (default 1,2,4)")
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
+    p.add_argument(
+        "--baseline", action="store_true", help="voice: every scenario again with the turn-taking features off"
+    )
+    p.add_argument("--scenarios", default=None, help="voice: only these, e.g. echo,backchannel (default: all of them)")
     p.add_argument(
         "--replay",
         default=None,

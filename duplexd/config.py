@@ -239,6 +239,10 @@ class DialogConfig:
     """Bearer key for the remote server (never logged)."""
     remote_timeout_s: float = 30.0
     """Longest wait to connect, or for the next piece of a streaming reply, before that reply fails."""
+    turn_model: str = "smollm2"
+    """With `backend = "remote"`: the local model that scores P(end of turn) on the transcript (the remote
+    server returns text only), loaded beside it with a short KV window per conversation; any `model` value.
+    Empty: none, and every turn then waits `turn.max_silence_ms` (docs/benchmarks.md, "Turn signal")."""
     remote_history_chars: int = 4000
     """Most characters of earlier turns sent with each remote request (the oldest turns go first): the
     remote server owns its context window, so the history this side keeps must be bounded here."""
@@ -301,8 +305,16 @@ class TurnConfig:
     """Committed words (not backchannels, not the reply's own echo) that interrupt the reply ..."""
     barge_in_partial_words: int = 3
     """... or as many words of the recognizer's latest (not yet committed) hypothesis."""
+    echo_cancellation: str = "gate"
+    """The reply's echo in the microphone (WebRTC AEC3 against the reply audio sent, placed by the client's
+    playback; sessions with reply audio, and only once the microphone is heard to follow the loudspeaker).
+    `gate`: chunks AEC3 finds to be echo and nothing else are silence to VAD; the recognizer hears the
+    audio as it came (a canceller still converging leaves garbled echo that the text check, which knows
+    the reply's words, no longer recognizes). `cancel`: VAD and the recognizer hear the cancelled audio.
+    `off`. About 1.5 % of a core per session (docs/benchmarks.md, "Echo cancellation")."""
     echo_similarity: float = 0.6
-    """Speech heard during a reply that matches a stretch of the reply this well (0..1) is its own echo."""
+    """Speech heard during a reply that matches a stretch of the reply this well (0..1) is its own echo
+    (the second line, after echo cancellation: what the canceller leaves that the recognizer still hears)."""
     backchannels: str = "yeah,yes,yep,yup,okay,ok,right,sure,mm-hmm,mhm,mm,hmm,uh-huh,uh,um,oh,ah,alright,cool,wow"
     """Words that never interrupt (comma-separated, matched case- and punctuation-insensitively)."""
 
@@ -316,6 +328,12 @@ class TurnConfig:
             0.0 < self.p_incomplete < self.p_complete < 1.0, "turn.p_complete", self.p_complete, "in (p_incomplete, 1)"
         )
         _require(self.barge_in_words >= 1, "turn.barge_in_words", self.barge_in_words, ">= 1")
+        _require(
+            self.echo_cancellation in ("gate", "cancel", "off"),
+            "turn.echo_cancellation",
+            self.echo_cancellation,
+            "gate, cancel or off",
+        )
         _require(0.0 < self.echo_similarity <= 1.0, "turn.echo_similarity", self.echo_similarity, "in (0, 1]")
         _require(self.barge_in_partial_words >= 1, "turn.barge_in_partial_words", self.barge_in_partial_words, ">= 1")
 

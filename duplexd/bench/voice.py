@@ -10,17 +10,23 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
   the pause is a premature endpoint.
 - backchannel: "okay, okay" (a real meeting recording) said while the reply plays; any interruption is a
   false barge-in.
-- echo: the reply's own audio leaks back into the microphone at -6 dB (no echo cancellation); any
-  interruption is a false barge-in.
+- echo: the reply's own audio reaches the microphone through a room (`bench.room`: clipping, an image-method
+  impulse response with RT60 0.2-0.6 s, a drifting 50-200 ms playback delay) at -6 dB and at 0 dB; any
+  interruption is a false barge-in. The echo canceller's ERLE on the same rooms is measured offline.
 - talk-over: another clip said as soon as the reply's audio starts; the time from its start to
   `reply.interrupted` is the barge-in latency (a reply that ends before the words are recognized is
-  not interrupted, and counts against the barge-in rate).
+  not interrupted, and counts against the barge-in rate). talk_over_echo: the same over the reply's own
+  echo (-6 dB, through a room): the echo canceller must not take the user out with the echo.
+
+`--baseline` runs every scenario again against a server with the turn-taking features off
+(`turn.echo_cancellation = "off"`), under `off`, each side in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import platform
 import time
@@ -30,15 +36,19 @@ from typing import Any
 
 import numpy as np
 
+from duplexd.bench import room, write_result
 from duplexd.bench import scenarios as sc
-from duplexd.bench import write_result
-from duplexd.bench.server import health, server_process
+from duplexd.bench.server import health, serve_llm_process, server_process
 from duplexd.clients.clips import Clip, load_clips
 from duplexd.clients.converse import ConversationResult, converse_pcm
 from duplexd.clients.stats import percentile
 
 QUESTION_MAX_S = 8.0  # single-speaker clips up to this long are the questions
 PAUSE_S = 0.7
+SCENARIOS = ("question", "pause", "backchannel", "echo", "talk_over", "talk_over_echo")
+ECHO_GAINS = (0.5, 1.0)  # -6 dB and 0 dB against the reply
+# What `--baseline` turns off: the turn-taking features measured against their absence.
+BASELINE_OFF = {"turn.echo_cancellation": "off"}
 
 
 @dataclass(slots=True)
@@ -56,6 +66,7 @@ class Run:
     reply_audio_s: float
     barge_in_s: float | None = None  # talk-over: from the start of the talk-over to reply.interrupted
     heard_over_reply: str = ""  # what the recognizer made of speech during the reply (last hypotheses)
+    room: str = ""  # echo: the path from the loudspeaker to the microphone
 
 
 def _first_at(result: ConversationResult, kind: str) -> float | None:
@@ -93,46 +104,68 @@ def _measure(scenario: str, clip: Clip, result: ConversationResult, eos_s: float
     )
 
 
-async def _conversations(url: str, clips: list[Clip], quick: bool) -> list[Run]:
-    speech_dir = clips[0].path.parent
+def _questions(clips: list[Clip], quick: bool) -> list[Clip]:
     questions = [c for c in clips if c.speakers == 1 and c.text and c.duration_s <= QUESTION_MAX_S]
-    if quick:
-        questions = questions[:1]
+    return questions[:1] if quick else questions
+
+
+def _overlapped(questions: list[Clip]) -> list[Clip]:
+    """The questions whose replies are talked over, backchanneled, echoed (one room each)."""
+    return questions[: max(1, len(questions) // 3)]
+
+
+async def _conversations(url: str, clips: list[Clip], quick: bool, scenarios: tuple[str, ...]) -> list[Run]:
+    speech_dir = clips[0].path.parent
+    questions = _questions(clips, quick)
     runs: list[Run] = []
     lead = sc.silence(0.5)
-    for clip in questions:
-        audio = np.concatenate([lead, sc.load(clip.path)])
-        result = await converse_pcm(url, audio, sc.RATE, max_s=60)
-        runs.append(_measure("question", clip, result, sc.speech_end_s(audio), None))
-        print(f"  question {clip.path.name}: {asdict(runs[-1])}", flush=True)
-    for clip in questions[: max(1, len(questions) // 2)]:
-        speech = sc.load(clip.path)
-        d = len(speech) / sc.RATE
-        paused, resume_s = sc.with_pause(speech, 0.4 * d, 0.6 * d, PAUSE_S)
-        audio = np.concatenate([lead, paused])
-        result = await converse_pcm(url, audio, sc.RATE, max_s=60)
-        runs.append(_measure("pause", clip, result, sc.speech_end_s(audio), len(lead) / sc.RATE + resume_s))
-        print(f"  pause {clip.path.name}: turns={runs[-1].turns} premature={runs[-1].premature}", flush=True)
-    for clip in questions[: max(1, len(questions) // 3)]:
-        audio = np.concatenate([lead, sc.load(clip.path)])
-        for scenario in ("backchannel", "echo"):
-            inject = sc.During(sc.backchannel(speech_dir), after_s=0.3) if scenario == "backchannel" else None
-            result = await converse_pcm(
-                url, audio, sc.RATE, max_s=60, inject=inject, echo_gain=0.5 if scenario == "echo" else 0.0
-            )
-            runs.append(_measure(scenario, clip, result, sc.speech_end_s(audio), None))
-            print(f"  {scenario} {clip.path.name}: interrupted={runs[-1].interrupted}", flush=True)
+    if "question" in scenarios:
+        for clip in questions:
+            audio = np.concatenate([lead, sc.load(clip.path)])
+            result = await converse_pcm(url, audio, sc.RATE, max_s=60)
+            runs.append(_measure("question", clip, result, sc.speech_end_s(audio), None))
+            print(f"  question {clip.path.name}: {asdict(runs[-1])}", flush=True)
+    if "pause" in scenarios:
+        for clip in questions[: max(1, len(questions) // 2)]:
+            speech = sc.load(clip.path)
+            d = len(speech) / sc.RATE
+            paused, resume_s = sc.with_pause(speech, 0.4 * d, 0.6 * d, PAUSE_S)
+            audio = np.concatenate([lead, paused])
+            result = await converse_pcm(url, audio, sc.RATE, max_s=60)
+            runs.append(_measure("pause", clip, result, sc.speech_end_s(audio), len(lead) / sc.RATE + resume_s))
+            print(f"  pause {clip.path.name}: turns={runs[-1].turns} premature={runs[-1].premature}", flush=True)
+    overlapped = _overlapped(questions)
+    if "backchannel" in scenarios:
+        for clip in overlapped:
+            audio = np.concatenate([lead, sc.load(clip.path)])
+            inject = sc.During(sc.backchannel(speech_dir), after_s=0.3)
+            result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject)
+            runs.append(_measure("backchannel", clip, result, sc.speech_end_s(audio), None))
+            print(f"  backchannel {clip.path.name}: interrupted={runs[-1].interrupted}", flush=True)
+    if "echo" in scenarios:
+        for gain in ECHO_GAINS:
+            for clip, spec in zip(overlapped, room.rooms(len(overlapped), gain), strict=True):
+                audio = np.concatenate([lead, sc.load(clip.path)])
+                result = await converse_pcm(url, audio, sc.RATE, max_s=60, echo_path=room.EchoPath(spec))
+                runs.append(_measure("echo", clip, result, sc.speech_end_s(audio), None))
+                runs[-1].room = spec.name
+                print(f"  echo {clip.path.name} ({spec.name}): interrupted={runs[-1].interrupted}", flush=True)
     talk = sc.load(speech_dir / "clip16_sb_example1.wav")
-    for clip in questions[: max(1, len(questions) // 3)]:
-        audio = np.concatenate([lead, sc.load(clip.path)])
-        inject = sc.During(talk, after_s=0.0)
-        result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject)
-        run = _measure("talk_over", clip, result, sc.speech_end_s(audio), None)
-        stops = result.of_type("reply.interrupted")
-        if stops and inject.said_at is not None:
-            run.barge_in_s = round(stops[0].t - inject.said_at, 3)
-        runs.append(run)
-        print(f"  talk-over {clip.path.name}: interrupted={run.interrupted} after {run.barge_in_s}", flush=True)
+    for scenario in ("talk_over", "talk_over_echo"):
+        if scenario not in scenarios:
+            continue
+        for clip, spec in zip(overlapped, room.rooms(len(overlapped), ECHO_GAINS[0]), strict=True):
+            audio = np.concatenate([lead, sc.load(clip.path)])
+            inject = sc.During(talk, after_s=0.0)
+            path = room.EchoPath(spec) if scenario == "talk_over_echo" else None
+            result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject, echo_path=path)
+            run = _measure(scenario, clip, result, sc.speech_end_s(audio), None)
+            stops = result.of_type("reply.interrupted")
+            if stops and inject.said_at is not None:
+                run.barge_in_s = round(stops[0].t - inject.said_at, 3)
+            run.room = spec.name if path is not None else ""
+            runs.append(run)
+            print(f"  {scenario} {clip.path.name}: interrupted={run.interrupted} after {run.barge_in_s}", flush=True)
     return runs
 
 
@@ -141,24 +174,31 @@ def _stats(values: list[float | None]) -> dict[str, float | None]:
     return {"p50": percentile(v, 50), "p90": percentile(v, 90), "n": len(v)}
 
 
-def run(data: Path | None, config: Path | None, quick: bool) -> dict[str, Any]:
+def _rate(runs: list[Run], scenario: str) -> float | None:
+    of = [r for r in runs if r.scenario == scenario]
+    return sum(r.interrupted for r in of) / len(of) if of else None
+
+
+def _side(
+    data: Path | None, config: Path | None, quick: bool, scenarios: tuple[str, ...], settings: dict[str, str]
+) -> dict[str, Any]:
+    """One server (with `settings` on top of `config`), every scenario: the keys, the runs, its health."""
     clips = load_clips(data)
-    with server_process(config) as port:
-        runs = asyncio.run(_conversations(f"ws://127.0.0.1:{port}/v1/stream", clips, quick))
+    with server_process(config, settings=settings) as port:
+        runs = asyncio.run(_conversations(f"ws://127.0.0.1:{port}/v1/stream", clips, quick, scenarios))
         server = health(port)
     questions = [r for r in runs if r.scenario == "question"]
     turn_taking = [r for r in runs if r.scenario in ("question", "pause")]
     overlapped = [r for r in runs if r.scenario in ("backchannel", "echo")]
     talk_over = [r for r in runs if r.scenario == "talk_over"]
     barge_in = _stats([r.barge_in_s for r in talk_over])
+    barge_in_echo = _stats([r.barge_in_s for r in runs if r.scenario == "talk_over_echo"])
     first_token = _stats([r.eos_to_first_token_s for r in questions])
     first_audio = _stats([r.eos_to_first_audio_s for r in questions])
     turn_end = _stats([r.eos_to_turn_end_s for r in questions])
     tts = server.get("tts") or {}
     return {
-        "benchmark": "voice",
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "settings": settings,
         "eos_to_turn_end_p50_s": turn_end["p50"],
         "eos_to_turn_end_p90_s": turn_end["p90"],
         "eos_to_first_token_p50_s": first_token["p50"],
@@ -166,17 +206,18 @@ def run(data: Path | None, config: Path | None, quick: bool) -> dict[str, Any]:
         "eos_to_first_audio_p50_s": first_audio["p50"],
         "eos_to_first_audio_p90_s": first_audio["p90"],
         "tts_rtf": tts.get("rtf"),
-        "premature_endpoint_rate": sum(r.premature for r in turn_taking) / max(1, len(turn_taking)),
-        "false_barge_in_rate": sum(r.interrupted for r in overlapped) / max(1, len(overlapped)),
-        "barge_in_rate": sum(r.interrupted for r in talk_over) / max(1, len(talk_over)),
+        "premature_endpoint_rate": sum(r.premature for r in turn_taking) / len(turn_taking) if turn_taking else None,
+        "false_barge_in_rate": sum(r.interrupted for r in overlapped) / len(overlapped) if overlapped else None,
+        "echo_false_barge_in_rate": _rate(runs, "echo"),
+        "backchannel_false_barge_in_rate": _rate(runs, "backchannel"),
+        "barge_in_rate": _rate(runs, "talk_over"),
         "barge_in_latency_p50_s": barge_in["p50"],
-        "counts": {
-            "question": len(questions),
-            "pause": sum(r.scenario == "pause" for r in runs),
-            "backchannel": sum(r.scenario == "backchannel" for r in runs),
-            "echo": sum(r.scenario == "echo" for r in runs),
-            "talk_over": len(talk_over),
-        },
+        "echo_talk_over_barge_in_rate": _rate(runs, "talk_over_echo"),  # (the user talks over their own echo)
+        "echo_talk_over_barge_in_p50_s": barge_in_echo["p50"],
+        "counts": {k: sum(r.scenario == k for r in runs) for k in SCENARIOS},
+        "echo_cancellation": server.get("echo"),  # its cost on the server
+        "turn_scorer": server.get("turn_scorer"),  # (the remote backend's P(end of turn) from the local model)
+        "max_rss_mb": server.get("max_rss_mb"),
         "llm_steps": server.get("llm_steps"),  # engine step p50 alone vs beside another model's work
         "threads": server.get("threads"),
         "server": {k: server.get(k) for k in ("asr", "llm", "tts", "models", "llm_engine")},
@@ -184,9 +225,66 @@ def run(data: Path | None, config: Path | None, quick: bool) -> dict[str, Any]:
     }
 
 
-def table(result: dict[str, Any]) -> str:
+def erle(data: Path | None, quick: bool) -> list[dict[str, Any]]:
+    """The echo canceller's ERLE on the echo scenarios' rooms (and each without its drift), over 15 s of
+    the lecture recording played as the reply."""
+    clips = load_clips(data)
+    reply = sc.load(clips[0].path.parent / "clip24_lecture_60s.wav")[: 15 * sc.RATE]
+    far = reply.astype(np.float32) / 32768.0
+    rows = []
+    for gain in ECHO_GAINS:
+        for spec in room.rooms(len(_overlapped(_questions(clips, quick))), gain):
+            still = dataclasses.replace(spec, drift_ms=0.0)
+            rows.append(
+                {
+                    "room": spec.name,
+                    "erle_db": round(room.erle_db(far, spec), 1),
+                    "erle_no_drift_db": round(room.erle_db(far, still), 1),
+                }
+            )
+    return rows
+
+
+def run(
+    data: Path | None,
+    config: Path | None,
+    quick: bool,
+    *,
+    baseline: bool = False,
+    scenarios: tuple[str, ...] = SCENARIOS,
+    remote: bool = False,
+) -> dict[str, Any]:
+    on = _side(data, config, quick, scenarios, {})
+    off = _side(data, config, quick, scenarios, BASELINE_OFF) if baseline else None
+    remote_sides: dict[str, Any] = {}
+    if remote:  # the turn scenarios again, replies from a `duplexd serve-llm` (the same model, greedy)
+        turns = tuple(x for x in scenarios if x in ("question", "pause")) or ("question",)
+        with serve_llm_process() as llm_port:
+            backend = {"dialog.backend": "remote", "dialog.remote_url": f"http://127.0.0.1:{llm_port}/v1"}
+            remote_sides["remote"] = _side(data, config, quick, turns, backend)
+            remote_sides["remote_no_turn_model"] = _side(
+                data, config, quick, turns, {**backend, "dialog.turn_model": ""}
+            )
+    local_end, remote_end = on["eos_to_turn_end_p50_s"], remote_sides.get("remote", {}).get("eos_to_turn_end_p50_s")
+    return {
+        "benchmark": "voice",
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        **on,  # (the server as configured: its keys at the top, as before `--baseline`)
+        "on": {k: v for k, v in on.items() if k != "runs"},
+        "off": off,
+        **remote_sides,
+        "remote_over_local_turn_end": round(remote_end / local_end, 3) if remote_end and local_end else None,
+        "erle": erle(data, quick) if "echo" in scenarios else None,
+    }
+
+
+def _side_table(result: dict[str, Any]) -> list[str]:
     def s(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f} s"
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
 
     rows = [
         ("end of speech -> turn ended", result["eos_to_turn_end_p50_s"], result["eos_to_turn_end_p90_s"]),
@@ -199,11 +297,16 @@ def table(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"TTS real-time factor: {result['tts_rtf']}",
-        f"premature endpoints: {result['premature_endpoint_rate']:.1%} of {c['question'] + c['pause']} turns",
-        f"false barge-ins: {result['false_barge_in_rate']:.1%} of {c['backchannel'] + c['echo']} overlapped replies",
-        f"talk-overs that interrupted: {result['barge_in_rate']:.1%} of {c['talk_over']}, "
+        f"premature endpoints: {pct(result['premature_endpoint_rate'])} of {c['question'] + c['pause']} turns",
+        f"false barge-ins: echo {pct(result['echo_false_barge_in_rate'])} of {c['echo']}, "
+        f"backchannel {pct(result['backchannel_false_barge_in_rate'])} of {c['backchannel']}",
+        f"talk-overs that interrupted: {pct(result['barge_in_rate'])} of {c['talk_over']}, "
         f"p50 {s(result['barge_in_latency_p50_s'])} after the talk-over began",
+        f"talk-overs with the reply's echo (-6 dB) that interrupted: {pct(result['echo_talk_over_barge_in_rate'])} "
+        f"of {c['talk_over_echo']}, p50 {s(result['echo_talk_over_barge_in_p50_s'])}",
     ]
+    if echo := result.get("echo_cancellation"):
+        lines.append(f"echo cancellation: {echo['ms_per_s']} ms per s of microphone audio ({echo['audio_s']} s)")
     steps, threads = result.get("llm_steps"), result.get("threads")
     if steps:
         lines.append(
@@ -213,10 +316,45 @@ def table(result: dict[str, Any]) -> str:
         )
     if threads:
         lines.append("threads: " + ", ".join(f"{k} {v}" for k, v in threads.items()))  # (openmp: the env it ran with)
+    return lines
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = _side_table(result)
+    if result.get("off"):
+        lines += ["", f"**off** ({', '.join(f'{k} = {v}' for k, v in result['off']['settings'].items())}):", ""]
+        lines += _side_table(result["off"])
+    for side in ("remote", "remote_no_turn_model"):
+        if r := result.get(side):
+            settings = ", ".join(f"{k} = {v}" for k, v in r["settings"].items() if k != "dialog.remote_url")
+            lines += ["", f"**{side}** ({settings}):", ""] + _side_table(r)
+            if scorer := r.get("turn_scorer"):
+                lines.append(
+                    f"turn scorer: {scorer['model']}, {scorer['steps']} steps in {scorer['busy_s']} s, "
+                    f"KV {scorer['kv_bytes'] / 2**20:.0f} MiB; server peak RSS {r['max_rss_mb']} MB"
+                )
+            else:
+                lines.append(f"server peak RSS {r['max_rss_mb']} MB")
+    if result.get("remote_over_local_turn_end"):
+        lines.append(f"\nend of speech -> turn ended, remote over local: x{result['remote_over_local_turn_end']}")
+    if result.get("erle"):
+        lines += ["", "| echo path | ERLE | ERLE without the drift |", "|---|---|---|"]
+        lines += [f"| {r['room']} | {r['erle_db']} dB | {r['erle_no_drift_db']} dB |" for r in result["erle"]]
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run(args.data, args.config, args.quick)
+    scenarios = tuple(args.scenarios.split(",")) if getattr(args, "scenarios", None) else SCENARIOS
+    unknown = [x for x in scenarios if x not in SCENARIOS]
+    if unknown:
+        raise SystemExit(f"bench voice: unknown scenario {unknown[0]!r} (choose from {', '.join(SCENARIOS)})")
+    result = run(
+        args.data,
+        args.config,
+        args.quick,
+        baseline=getattr(args, "baseline", False),
+        scenarios=scenarios,
+        remote=getattr(args, "remote_llm", False),
+    )
     write_result(args.out, result, table(result))
     return 0

@@ -111,13 +111,15 @@ async def converse_pcm(
     report_playback: bool = True,
     inject: Callable[[ConversationResult], np.ndarray | None] | None = None,
     echo_gain: float = 0.0,
+    echo_path: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> ConversationResult:
     """Say `pcm` (int16 mono), keep the microphone open (silence) until `until(events)` holds and the reply
     audio has been played, or `max_s` seconds have passed; then end the session.
 
     `inject(result)`, asked every frame once `pcm` is all sent, may return more speech to say (talking over
     the reply, a backchannel). `echo_gain` > 0 mixes the reply audio being played back into the
-    microphone, as a loudspeaker without echo cancellation would."""
+    microphone, as a loudspeaker without echo cancellation would; `echo_path(played)` (float at
+    `sample_rate`) mixes in what it makes of it instead (a room: `bench.room.EchoPath`)."""
     client = await StreamClient.connect(url)
     player = _Player()
     try:
@@ -179,9 +181,10 @@ async def converse_pcm(
                         break
                 frame = np.pad(mic[:step], (0, max(0, step - len(mic))))
                 mic = mic[step:]
-                if echo_gain:
+                if echo_gain or echo_path is not None:
                     player.advance(time.monotonic())
-                    frame = frame + echo_gain * player.echo(step, sample_rate)
+                    played = player.echo(step, sample_rate)
+                    frame = frame + (echo_path(played) if echo_path is not None else echo_gain * played)
                 await client.send_pcm((np.clip(frame, -1, 1) * 32767).astype("<i2").tobytes())
             finished.set()
             await reporter

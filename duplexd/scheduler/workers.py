@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from duplexd.asr.echo import EchoCanceller
 from duplexd.asr.engine import ASR_SAMPLE_RATE, AsrEngine, Transcription
 from duplexd.asr.streaming import PassRequest
 from duplexd.asr.vad import SileroVad, VadStream
@@ -34,25 +35,58 @@ log = logging.getLogger(__name__)
 class _VadJob:
     stream: VadStream
     chunks: np.ndarray
-    done: asyncio.Future[np.ndarray]
+    done: asyncio.Future[tuple[np.ndarray, np.ndarray]]
+    echo: EchoCanceller | None = None
+    far: np.ndarray | None = None  # the echo canceller's reference for these chunks
+    echo_only: np.ndarray | None = None  # per chunk: the reply's echo and nothing else (VAD: silence)
 
 
 class VadWorker:
+    """Evaluates the sessions' VAD chunks in batches; a session's echo canceller runs first, in the same
+    thread (the chunks VAD and the recognizer get are the cancelled ones)."""
+
     def __init__(self, engine: SileroVad, max_pending: int) -> None:
         self._engine = engine
         self._queue: asyncio.Queue[_VadJob] = asyncio.Queue(maxsize=max_pending)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-vad")
         self.batch_samples: deque[int] = deque(maxlen=1024)  # sessions per VAD batch, for /metrics
+        self.echo_s = 0.0  # time spent cancelling echo (the thread's), and the audio it covered
+        self.echo_audio_s = 0.0
+        self.echo_gated = 0  # chunks VAD took as silence: echo only
 
-    async def probabilities(self, stream: VadStream, chunks: np.ndarray) -> np.ndarray:
+    async def probabilities(
+        self,
+        stream: VadStream,
+        chunks: np.ndarray,
+        *,
+        echo: EchoCanceller | None = None,
+        far: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The speech probability of each chunk, and the chunks (less their echo of `far`, with `echo`)."""
         if len(chunks) == 0:
-            return np.zeros(0, np.float32)
-        job = _VadJob(stream, chunks, asyncio.get_running_loop().create_future())
+            return np.zeros(0, np.float32), chunks
+        job = _VadJob(stream, chunks, asyncio.get_running_loop().create_future(), echo, far)
         try:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
             raise Overloaded("VAD queue is full") from None
         return await job.done
+
+    def _evaluate(self, jobs: list[_VadJob]) -> list[np.ndarray]:
+        t0 = time.perf_counter()
+        for job in jobs:
+            if job.echo is not None and job.far is not None:
+                shape = job.chunks.shape
+                job.chunks = job.echo.process(job.chunks.reshape(-1), job.far).reshape(shape)
+                job.echo_only = job.echo.echo_only(job.far.reshape(shape))
+                self.echo_gated += int(job.echo_only.sum())
+                self.echo_audio_s += job.chunks.size / ASR_SAMPLE_RATE
+        self.echo_s += time.perf_counter() - t0
+        probs = self._engine.probabilities([j.stream for j in jobs], [j.chunks for j in jobs])
+        for job, p in zip(jobs, probs, strict=True):
+            if job.echo_only is not None:
+                p[job.echo_only] = 0.0  # (the reply's echo, cancelled: no one is talking)
+        return probs
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -62,9 +96,7 @@ class VadWorker:
                 jobs.append(self._queue.get_nowait())
             self.batch_samples.append(len(jobs))
             try:
-                probs = await loop.run_in_executor(
-                    self._executor, self._engine.probabilities, [j.stream for j in jobs], [j.chunks for j in jobs]
-                )
+                probs = await loop.run_in_executor(self._executor, self._evaluate, jobs)
             except Exception as exc:
                 log.exception("VAD batch failed")
                 for job in jobs:
@@ -73,7 +105,7 @@ class VadWorker:
                 continue
             for job, p in zip(jobs, probs, strict=True):
                 if not job.done.done():
-                    job.done.set_result(p)
+                    job.done.set_result((p, job.chunks))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from duplexd.asr.echo import EchoCanceller
 from duplexd.asr.engine import Transcription
 from duplexd.asr.streaming import PassRequest, StreamingTranscriber
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES, VAD_SAMPLE_RATE, VadHysteresis, VadStream
@@ -51,6 +52,7 @@ class Session:
         self._base_config = config  # (`tune_vad` changes `_config` from this)
         self._resampler = StreamResampler(sample_rate, VAD_SAMPLE_RATE)
         self.vad_stream = VadStream()
+        self.echo: EchoCanceller | None = None  # (set by the shell for a session with reply audio; VAD worker only)
         self._hysteresis = VadHysteresis(config.vad)
         self.transcriber = StreamingTranscriber(config.asr)
         self._vad_buf = np.zeros(0, np.float32)

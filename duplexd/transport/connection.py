@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from duplexd.asr.echo import EchoCanceller, FarEnd
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
 from duplexd.events import (
     Event,
@@ -418,6 +419,9 @@ class Connection:
             self.conversation = self._new_conversation()
             self.codec.configure(self.conversation)
             assert server.tts is not None and self.dialog_sid is not None
+            far_end = None
+            if (mode := server.config.turn.echo_cancellation) != "off":  # (a session with reply audio)
+                session.echo, far_end = EchoCanceller(replace_audio=mode == "cancel"), FarEnd(OUTPUT_SAMPLE_RATE)
             self.voice = VoiceLoop(
                 session,
                 self.conversation,
@@ -433,6 +437,7 @@ class Connection:
                 send_audio=self.codec.audio,
                 wake=self.audio_wake.set,
                 listening=lambda: self.attached,
+                far_end=far_end,
             )
         self.session = session
         server.sessions[session.id] = session
@@ -460,7 +465,10 @@ class Connection:
         )
 
     async def run_vad(self, session: Session, chunks: Any) -> None:
-        probs = await self.server.vad.probabilities(session.vad_stream, chunks)
+        far = None
+        if session.echo is not None and self.voice is not None and len(chunks):
+            far = self.voice.echo_reference(chunks.size, time.monotonic())
+        probs, chunks = await self.server.vad.probabilities(session.vad_stream, chunks, echo=session.echo, far=far)
         self.emit(session.apply_vad(chunks, probs, time.monotonic()))  # (the VAD's answer arrives now)
         if session.wants_pass():
             self.server.asr.notify()

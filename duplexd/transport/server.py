@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import os
+import resource
 import socket
 import threading
 import time
@@ -240,6 +241,7 @@ class Server:
             "version": __version__,
             "node": self.config.transport.node or None,
             "uptime_s": round(time.monotonic() - self._started, 1),
+            "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # (Linux: KiB)
             "sessions": len(self.sessions),
             "models": self.models(),
             "asr": {
@@ -249,6 +251,12 @@ class Server:
                 "pass_p50_s": round(recent[len(recent) // 2], 3) if recent else None,
                 "pass_cost": {"fixed_s": round(self.asr.cost.fixed_s, 3), "per_audio_s": round(self.asr.cost.per_s, 4)},
                 "contested_choices": sum(len(c.ratios) > 1 for c in self.asr.schedule),
+            },
+            "echo": {  # the echo cancellers' cost, on the VAD worker's thread
+                "audio_s": round(self.vad.echo_audio_s, 3),
+                "busy_s": round(self.vad.echo_s, 3),
+                "echo_only_chunks": self.vad.echo_gated,
+                "ms_per_s": round(1000 * self.vad.echo_s / self.vad.echo_audio_s, 2) if self.vad.echo_audio_s else None,
             },
             "event_loop": self.loop_lag.summary(),
             "counters": dict(self.counters),
@@ -263,6 +271,8 @@ class Server:
             },
             "llm": None if self.dialog is None else rounded(self.dialog.engine.stats),
             "llm_engine": None if self.dialog is None else self.dialog.engine.tuning,
+            # (the remote backend with `dialog.turn_model`: the local model scoring P(end of turn))
+            "turn_scorer": self._turn_scorer(),
             "llm_steps": None if self.dialog is None else self.dialog.step_times(),
             "threads": self.threads(),
             "speculation": None if self.dialog is None else self.dialog.stats.as_dict(),
@@ -277,6 +287,12 @@ class Server:
                 "prefetch_hits": self.tts.stats.prefetch_hits,
             },
         }
+
+    def _turn_scorer(self) -> dict[str, object] | None:
+        from duplexd.dialog.turn_scorer import TurnScoredEngine
+
+        engine = None if self.dialog is None else self.dialog.engine
+        return engine.scorer_report() if isinstance(engine, TurnScoredEngine) else None
 
     # -- WebSocket ----------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duplexd import commands as cmd
+from duplexd.asr.echo import FarEnd
 from duplexd.errors import Overloaded
 from duplexd.events import Event, ReplyDelta, ReplyDone, ReplyInterrupted, ReplyStarted, TurnEnded
 from duplexd.scheduler.dialog import DialogWorker
@@ -73,14 +74,17 @@ class VoiceLoop:
         wake: Callable[[], None],
         listening: Callable[[], bool],
         now: Callable[[], float] = time.monotonic,
+        far_end: FarEnd | None = None,
     ) -> None:
         """`wake`: the pacer has audio to send. `listening`: a client is attached (reply audio it is owed
-        and not given is then a server lag). `now`: the clock of the TTS worker's callbacks."""
+        and not given is then a server lag). `now`: the clock of the TTS worker's callbacks. `far_end`: the
+        session's echo canceller's reference, fed the reply audio as it goes out."""
         self.session, self.conversation = session, conversation
         self.dialog, self.dialog_sid, self.tts = dialog, dialog_sid, tts
         self.playout, self.clock, self.sent_audio, self.metrics = playout, clock, sent_audio, metrics
         self._send_event, self._send_token, self._send_audio = send_event, send_token, send_audio
         self._wake, self._listening, self._now = wake, listening, now
+        self.far_end = far_end
         self.timeline = Timeline()  # the latest turn's latency breakdown, logged once per reply
         self.text_only = False  # replies are text without speech (a Realtime session's `output_modalities`)
         # The current reply's pieces waiting for the TTS worker, in order. Bounded by the reply's length, which
@@ -130,6 +134,8 @@ class VoiceLoop:
                     # The client drops what it had not played and jumps to the end of what it received.
                     conv.rebase_output(self.playout.sent)
                     self.clock.rebase(self.playout.sent, now)
+                    if self.far_end is not None:  # (never played: no echo of it)
+                        self.far_end.skip(self.playout.sent)
                 case ReplyDelta(reply=reply, text=text):
                     self._send_token(reply, text)
                 case _:
@@ -233,6 +239,10 @@ class VoiceLoop:
         """Samples of the output stream the client has played by `now`."""
         return self.clock.played(self.playout.sent, now)
 
+    def echo_reference(self, n: int, now: float) -> np.ndarray | None:
+        """What the loudspeaker plays over the next `n` samples of microphone audio (None: no canceller)."""
+        return None if self.far_end is None else self.far_end.take(self.played(now), n)
+
     @property
     def pacing(self) -> bool:
         """A reply is in progress or its audio still waits to go out."""
@@ -245,6 +255,8 @@ class VoiceLoop:
         frames, done = self.playout.take(played)
         for seq, pcm in frames:
             self.sent_audio.sent(seq, pcm)
+            if self.far_end is not None:
+                self.far_end.sent(pcm)
             self._send_audio(seq, pcm)
         self._synthesize_next(now)  # frames went out: the playout may have room again
         for reply in done:

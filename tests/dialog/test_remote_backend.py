@@ -470,3 +470,44 @@ def test_a_rewritten_transcript_is_what_the_next_request_sends() -> None:
     with pytest.raises(ValueError):
         engine.rewrite(sid, None, [("tool", "x")])
     engine.close(sid)
+
+
+async def scored_turns(engine: object) -> tuple[list[str], list[float]]:
+    """Each of `TURNS` appended, its P(end of turn) awaited, then answered: the replies and the P's."""
+    worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False))  # type: ignore[arg-type]
+    task = asyncio.create_task(worker.run())
+    client = Client()
+    try:
+        sid = await asyncio.wait_for(worker.open(client), 10)
+        for n, text in enumerate(TURNS, start=1):
+            worker.submit(sid, AppendUserText(text, n))
+            await until(lambda n=n: len(client.p_ends) >= n)
+            worker.submit(sid, StartReply(n))
+            await asyncio.wait_for(client.event(n).wait(), 60)
+        worker.close(sid)
+        await until(lambda: engine.sessions == 0)  # type: ignore[attr-defined]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        worker.close_worker()
+    return ["".join(client.texts.get(n, [])[-1:]) for n in range(1, len(TURNS) + 1)], client.p_ends
+
+
+@slow
+async def test_the_local_model_scores_the_turns_of_a_remote_conversation(local: DialogEngine, llm_url: str) -> None:
+    """`TurnScoredEngine`: the replies are still the remote server's, and every turn gets a P(end of turn)
+    from the local model; the first, whose context is the same on both sides, is the local engine's own."""
+    from duplexd.dialog.turn_scorer import TurnScoredEngine
+
+    expected, local_p = await scored_turns(local)
+    scored = TurnScoredEngine(remote_engine(llm_url), local)  # (the same engine scores: its slots are free)
+    got, p_ends = await scored_turns(scored)
+    assert got == expected and all(got)
+    assert len(p_ends) == len(TURNS) and all(0 < p < 1 for p in p_ends)
+    assert p_ends[0] == pytest.approx(local_p[0], rel=1e-3)
+    assert scored.stats["requests"] == 3 and scored.stats["failed"] == 0
+    report = scored.scorer_report()
+    assert report["steps"] > 0 and report["kv_bytes"] > 0 and report["sessions"] == 0  # (closed with its conversation)
+    assert local.sessions == 0
+    assert scored.reports_p_end and not remote_engine(llm_url).reports_p_end  # (the conversation waits for it)

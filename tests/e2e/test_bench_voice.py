@@ -22,6 +22,10 @@ KEYS = (
     "tts_rtf",
     "premature_endpoint_rate",
     "false_barge_in_rate",
+    "echo_false_barge_in_rate",
+    "backchannel_false_barge_in_rate",
+    "echo_talk_over_barge_in_rate",
+    "erle",
 )
 
 
@@ -32,12 +36,25 @@ def test_bench_voice_quick(clips: list[Clip], tmp_path: Path, capsys) -> None:
     result = json.loads(out.read_text())
     for key in KEYS:
         assert result[key] is not None, key
-    assert result["counts"] == {"question": 1, "pause": 1, "backchannel": 1, "echo": 1, "talk_over": 1}
+    counts = {"question": 1, "pause": 1, "backchannel": 1, "echo": 2, "talk_over": 1, "talk_over_echo": 1}
+    assert result["counts"] == counts  # (echo: at -6 and at 0 dB)
     questions = [r for r in result["runs"] if r["scenario"] == "question"]
     for r in questions:  # every question was answered, text before audio
         assert r["turns"] == 1 and r["reply_text"] and r["reply_audio_s"] > 0
         assert 0 < r["eos_to_turn_end_s"] <= r["eos_to_first_token_s"] <= r["eos_to_first_audio_s"]
     assert 0 < result["tts_rtf"] < 1  # faster than real time
     assert 0.0 <= result["premature_endpoint_rate"] <= 1.0 and 0.0 <= result["false_barge_in_rate"] <= 1.0
+    echo = result["echo_cancellation"]  # (on by default: its cost measured over every session's microphone)
+    assert echo["audio_s"] > 10 and 0 < echo["ms_per_s"] < 1000
+    assert [r["room"] for r in result["runs"] if r["scenario"] == "echo"] == [e["room"] for e in result["erle"]]
+    assert all(e["erle_no_drift_db"] > 10 for e in result["erle"])
     table = capsys.readouterr().out
-    assert "first reply audio" in table and "premature endpoints" in table
+    assert "first reply audio" in table and "premature endpoints" in table and "ERLE" in table
+
+
+def test_bench_voice_baseline_runs_the_scenarios_again_with_the_features_off(clips: list[Clip]) -> None:
+    result = voice.run(clips[0].path.parent.parent, None, True, baseline=True, scenarios=("echo",))
+    assert result["counts"]["echo"] == 2 and result["off"]["counts"]["echo"] == 2
+    assert result["off"]["settings"] == {"turn.echo_cancellation": "off"}
+    assert result["echo_cancellation"]["audio_s"] > 0 and result["off"]["echo_cancellation"]["audio_s"] == 0
+    assert "**off**" in voice.table(result)
