@@ -305,13 +305,14 @@ class TurnConfig:
     """Committed words (not backchannels, not the reply's own echo) that interrupt the reply ..."""
     barge_in_partial_words: int = 3
     """... or as many words of the recognizer's latest (not yet committed) hypothesis."""
-    echo_cancellation: str = "gate"
+    echo_cancellation: str = "off"
     """The reply's echo in the microphone (WebRTC AEC3 against the reply audio sent, placed by the client's
     playback; sessions with reply audio, and only once the microphone is heard to follow the loudspeaker).
     `gate`: chunks AEC3 finds to be echo and nothing else are silence to VAD; the recognizer hears the
     audio as it came (a canceller still converging leaves garbled echo that the text check, which knows
     the reply's words, no longer recognizes). `cancel`: VAD and the recognizer hear the cancelled audio.
-    `off`. About 1.5 % of a core per session (docs/benchmarks.md, "Echo cancellation")."""
+    `off` (the default until `bench voice` shows a mode that helps: docs/benchmarks.md, "Turn-taking").
+    About 2 % of a core per session."""
     echo_similarity: float = 0.6
     """Speech heard during a reply that matches a stretch of the reply this well (0..1) is its own echo
     (the second line, after echo cancellation: what the canceller leaves that the recognizer still hears)."""

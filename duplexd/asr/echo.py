@@ -39,7 +39,7 @@ _ENV_BLOCKS = 300  # 3 s of 10 ms blocks looked at
 _ENV_LAGS = 60  # delays tried: up to 0.6 s
 _ENV_MIN_ACTIVE = 50  # far-end blocks playing in the window before deciding
 _ENV_EVERY = 10  # blocks between decisions (0.1 s)
-_ECHO_HEARD, _ECHO_GONE = 0.5, 0.3  # envelope correlation: hysteresis
+_ECHO_HEARD, _ECHO_GONE = 0.4, 0.25  # envelope correlation: hysteresis (0.35 heard the user alone)
 
 
 class EchoCanceller:
@@ -100,18 +100,27 @@ class EchoCanceller:
         """Whether the microphone's loudness follows the far end's (the best delay's correlation over the
         last `_ENV_BLOCKS` blocks the loudspeaker played in), with hysteresis; unchanged while it is quiet."""
         far, mic = np.array(self._far_env), np.array(self._mic_env)
-        # (block-to-block changes, syllable by syllable: a level that merely differs for a while, the user
-        # talking through a quieter stretch of the reply, is no echo)
+        if len(far) < _ENV_LAGS + _ENV_MIN_ACTIVE + 1:
+            return
+        # Block-to-block changes, syllable by syllable (a level that merely differs for a while, the user
+        # talking through a quieter stretch of the reply, is no echo); the microphone's newest `width` of
+        # them against the far end's `lag` blocks earlier, every lag at once.
         d_far, d_mic = np.diff(far), np.diff(mic)
-        best = -1.0
-        for lag in range(min(_ENV_LAGS, len(d_far) - _ENV_MIN_ACTIVE)):
-            f, m = d_far[: len(d_far) - lag], d_mic[lag:]
-            playing = (far[1 : len(far) - lag] > _FAR_ACTIVE_DB) & (far[: len(far) - lag - 1] > _FAR_ACTIVE_DB)
-            if playing.sum() < _ENV_MIN_ACTIVE:
-                continue
-            f, m = f[playing], m[playing]
-            if f.std() > 0 and m.std() > 0:
-                best = max(best, float(np.corrcoef(f, m)[0, 1]))
+        width = len(d_mic) - (_ENV_LAGS - 1)
+        m = d_mic[_ENV_LAGS - 1 :]
+        windows = np.lib.stride_tricks.sliding_window_view(d_far, width)[::-1]  # row `lag`: shifted by it
+        playing = far > _FAR_ACTIVE_DB
+        both = playing[1:] & playing[:-1]  # (a change between two blocks that both played)
+        mask = np.lib.stride_tricks.sliding_window_view(both, width)[::-1].astype(np.float64)
+        n = mask.sum(axis=1)
+        ok = n >= _ENV_MIN_ACTIVE
+        n = np.maximum(n, 1)
+        f_mean = (windows * mask).sum(axis=1) / n
+        m_mean = (m * mask).sum(axis=1) / n
+        f_c, m_c = (windows - f_mean[:, None]) * mask, (m - m_mean[:, None]) * mask
+        denom = np.sqrt((f_c**2).sum(axis=1) * (m_c**2).sum(axis=1))
+        corr = np.where(ok & (denom > 0), (f_c * m_c).sum(axis=1) / np.maximum(denom, 1e-12), -1.0)
+        best = float(corr.max())
         if best < -0.5:
             return  # (not enough playing yet to tell)
         self.echo_heard = best >= (_ECHO_GONE if self.echo_heard else _ECHO_HEARD)

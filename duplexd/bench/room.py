@@ -105,7 +105,7 @@ def erle_db(far: np.ndarray, spec: RoomSpec, chunk: int = 512) -> float:
     residual energy, after its first second, with no near-end speech."""
     from duplexd.asr.echo import DELAY_SAMPLES, EchoCanceller
 
-    path, canceller = EchoPath(spec), EchoCanceller()
+    path, canceller = EchoPath(spec), EchoCanceller(replace_audio=True)
     echo = np.concatenate([path(far[i : i + chunk]) for i in range(0, len(far), chunk)])
     residual = np.concatenate(
         [canceller.process(echo[i : i + chunk], far[i : i + chunk]) for i in range(0, len(far), chunk)]

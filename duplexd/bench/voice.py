@@ -6,8 +6,8 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
 - question: a clip, then silence. Latencies from the end of the speech (eos, where Silero VAD run offline
   over the composed audio last hears speech) to the first reply text and the first reply audio arriving
   at the client. A turn that ends before eos is a premature endpoint.
-- pause: the same clip with a pause inserted at its quietest point mid-sentence; ending the turn during
-  the pause is a premature endpoint.
+- pause: the same clip with a pause (0.4, 0.6, 0.8 and 1.0 s) inserted at its quietest point
+  mid-sentence; ending the turn during the pause is a premature endpoint.
 - backchannel: "okay, okay" (a real meeting recording) said while the reply plays; any interruption is a
   false barge-in.
 - echo: the reply's own audio reaches the microphone through a room (`bench.room`: clipping, an image-method
@@ -18,8 +18,8 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
   not interrupted, and counts against the barge-in rate). talk_over_echo: the same over the reply's own
   echo (-6 dB, through a room): the echo canceller must not take the user out with the echo.
 
-`--baseline` runs every scenario again against a server with the turn-taking features off
-(`turn.echo_cancellation = "off"`), under `off`, each side in the same run.
+The server runs with the turn-taking features on (`FEATURES_ON`: `turn.echo_cancellation = "gate"`);
+`--baseline` runs every scenario again with them off (`BASELINE_OFF`), under `off`, in the same run.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ from duplexd.clients.converse import ConversationResult, converse_pcm
 from duplexd.clients.stats import percentile
 
 QUESTION_MAX_S = 8.0  # single-speaker clips up to this long are the questions
-PAUSE_S = 0.7
+PAUSES_S = (0.4, 0.6, 0.8, 1.0)  # mid-sentence pauses (--quick: the 0.6 s one only)
 SCENARIOS = ("question", "pause", "backchannel", "echo", "talk_over", "talk_over_echo")
 ECHO_GAINS = (0.5, 1.0)  # -6 dB and 0 dB against the reply
-# What `--baseline` turns off: the turn-taking features measured against their absence.
+# The turn-taking features measured (the `on` side), and what `--baseline` runs instead (`off`).
+FEATURES_ON = {"turn.echo_cancellation": "gate"}
 BASELINE_OFF = {"turn.echo_cancellation": "off"}
 
 
@@ -67,6 +68,7 @@ class Run:
     barge_in_s: float | None = None  # talk-over: from the start of the talk-over to reply.interrupted
     heard_over_reply: str = ""  # what the recognizer made of speech during the reply (last hypotheses)
     room: str = ""  # echo: the path from the loudspeaker to the microphone
+    pause_s: float | None = None  # pause: how long the mid-sentence pause was
 
 
 def _first_at(result: ConversationResult, kind: str) -> float | None:
@@ -126,14 +128,17 @@ async def _conversations(url: str, clips: list[Clip], quick: bool, scenarios: tu
             runs.append(_measure("question", clip, result, sc.speech_end_s(audio), None))
             print(f"  question {clip.path.name}: {asdict(runs[-1])}", flush=True)
     if "pause" in scenarios:
-        for clip in questions[: max(1, len(questions) // 2)]:
-            speech = sc.load(clip.path)
-            d = len(speech) / sc.RATE
-            paused, resume_s = sc.with_pause(speech, 0.4 * d, 0.6 * d, PAUSE_S)
-            audio = np.concatenate([lead, paused])
-            result = await converse_pcm(url, audio, sc.RATE, max_s=60)
-            runs.append(_measure("pause", clip, result, sc.speech_end_s(audio), len(lead) / sc.RATE + resume_s))
-            print(f"  pause {clip.path.name}: turns={runs[-1].turns} premature={runs[-1].premature}", flush=True)
+        for pause_s in PAUSES_S[1:2] if quick else PAUSES_S:
+            for clip in questions[: max(1, len(questions) // 2)]:
+                speech = sc.load(clip.path)
+                d = len(speech) / sc.RATE
+                paused, resume_s = sc.with_pause(speech, 0.4 * d, 0.6 * d, pause_s)
+                audio = np.concatenate([lead, paused])
+                result = await converse_pcm(url, audio, sc.RATE, max_s=60)
+                run = _measure("pause", clip, result, sc.speech_end_s(audio), len(lead) / sc.RATE + resume_s)
+                run.pause_s = pause_s
+                runs.append(run)
+                print(f"  pause {pause_s} s {clip.path.name}: turns={run.turns} premature={run.premature}", flush=True)
     overlapped = _overlapped(questions)
     if "backchannel" in scenarios:
         for clip in overlapped:
@@ -207,6 +212,11 @@ def _side(
         "eos_to_first_audio_p90_s": first_audio["p90"],
         "tts_rtf": tts.get("rtf"),
         "premature_endpoint_rate": sum(r.premature for r in turn_taking) / len(turn_taking) if turn_taking else None,
+        "premature_by_pause": {
+            str(p): sum(r.premature for r in runs if r.pause_s == p) / n
+            for p in PAUSES_S
+            if (n := sum(r.pause_s == p for r in runs))
+        },
         "false_barge_in_rate": sum(r.interrupted for r in overlapped) / len(overlapped) if overlapped else None,
         "echo_false_barge_in_rate": _rate(runs, "echo"),
         "backchannel_false_barge_in_rate": _rate(runs, "backchannel"),
@@ -254,7 +264,7 @@ def run(
     scenarios: tuple[str, ...] = SCENARIOS,
     remote: bool = False,
 ) -> dict[str, Any]:
-    on = _side(data, config, quick, scenarios, {})
+    on = _side(data, config, quick, scenarios, FEATURES_ON)
     off = _side(data, config, quick, scenarios, BASELINE_OFF) if baseline else None
     remote_sides: dict[str, Any] = {}
     if remote:  # the turn scenarios again, replies from a `duplexd serve-llm` (the same model, greedy)
@@ -297,7 +307,8 @@ def _side_table(result: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"TTS real-time factor: {result['tts_rtf']}",
-        f"premature endpoints: {pct(result['premature_endpoint_rate'])} of {c['question'] + c['pause']} turns",
+        f"premature endpoints: {pct(result['premature_endpoint_rate'])} of {c['question'] + c['pause']} turns "
+        f"(by pause: {', '.join(f'{p} s {pct(v)}' for p, v in result['premature_by_pause'].items()) or '-'})",
         f"false barge-ins: echo {pct(result['echo_false_barge_in_rate'])} of {c['echo']}, "
         f"backchannel {pct(result['backchannel_false_barge_in_rate'])} of {c['backchannel']}",
         f"talk-overs that interrupted: {pct(result['barge_in_rate'])} of {c['talk_over']}, "
