@@ -239,10 +239,12 @@ class DialogConfig:
     """Bearer key for the remote server (never logged)."""
     remote_timeout_s: float = 30.0
     """Longest wait to connect, or for the next piece of a streaming reply, before that reply fails."""
-    turn_model: str = "smollm2"
-    """With `backend = "remote"`: the local model that scores P(end of turn) on the transcript (the remote
-    server returns text only), loaded beside it with a short KV window per conversation; any `model` value.
-    Empty: none, and every turn then waits `turn.max_silence_ms` (docs/benchmarks.md, "Turn signal")."""
+    turn_model: str = ""
+    """With `backend = "remote"`: a local model (any `model` value, e.g. `smollm2`) that scores P(end of turn)
+    on the transcript (the remote server returns text only), with a short KV window per conversation.
+    Empty (the default): none, and every turn waits `turn.max_silence_ms`. Not the default: measured on 2
+    cores beside the recognizer, it made turns end later (p50 2.18 vs 1.70 s) for +1.07 GB of memory
+    (docs/benchmarks.md, "Turn-taking")."""
     remote_history_chars: int = 4000
     """Most characters of earlier turns sent with each remote request (the oldest turns go first): the
     remote server owns its context window, so the history this side keeps must be bounded here."""

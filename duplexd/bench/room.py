@@ -107,9 +107,11 @@ def erle_db(far: np.ndarray, spec: RoomSpec, chunk: int = 512) -> float:
 
     path, canceller = EchoPath(spec), EchoCanceller(replace_audio=True)
     echo = np.concatenate([path(far[i : i + chunk]) for i in range(0, len(far), chunk)])
-    residual = np.concatenate(
-        [canceller.process(echo[i : i + chunk], far[i : i + chunk]) for i in range(0, len(far), chunk)]
-    )[DELAY_SAMPLES:]
+    residual = []
+    for i in range(0, len(far), chunk):
+        canceller.process(echo[i : i + chunk], far[i : i + chunk])
+        residual.append(canceller.cancelled)  # (AEC3's output, whether or not the echo was detected yet)
+    left = np.concatenate(residual)[DELAY_SAMPLES:]
     start = RATE
-    e, r = echo[start : len(residual)], residual[start:]
+    e, r = echo[start : len(left)], left[start:]
     return float(10 * np.log10(np.sum(e.astype(np.float64) ** 2) / max(1e-12, np.sum(r.astype(np.float64) ** 2))))
