@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -75,5 +76,10 @@ async def test_fuzzed_messages_on_both_endpoints_crash_nothing_and_spare_a_bysta
     # business, not a test's: a loaded 2-core machine can delay a frame past its deadline.)
     (frames,) = sent
     assert acks and acks[-1]["seq"] >= frames - 5 and len(acks) >= frames // 5 - 1, (frames, acks)
-    health = srv.server.health()
-    assert health["status"] == "ok" and health["sessions"] == 0
+    # Every fuzzed session is closed: the server ends them as their sockets go, asynchronously, so a
+    # loaded machine may still be closing some when the last client has gone (a leak never reaches 0).
+    deadline = time.monotonic() + 15
+    while (health := srv.server.health())["sessions"]:
+        assert time.monotonic() < deadline, health
+        await asyncio.sleep(0.1)
+    assert health["status"] == "ok"
