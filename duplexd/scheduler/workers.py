@@ -43,7 +43,8 @@ class _VadJob:
 
 class VadWorker:
     """Evaluates the sessions' VAD chunks in batches; a session's echo canceller runs first, in the same
-    thread (the chunks VAD and the recognizer get are the cancelled ones)."""
+    thread: its echo-only chunks are silence to VAD, and the chunks VAD and the recognizer get are what it
+    returns (the cancelled audio only with `turn.echo_cancellation = "cancel"`)."""
 
     def __init__(self, engine: SileroVad, max_pending: int) -> None:
         self._engine = engine
@@ -62,7 +63,7 @@ class VadWorker:
         echo: EchoCanceller | None = None,
         far: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The speech probability of each chunk, and the chunks (less their echo of `far`, with `echo`)."""
+        """The speech probability of each chunk, and the chunks as `echo` returns them (as given without one)."""
         if len(chunks) == 0:
             return np.zeros(0, np.float32), chunks
         job = _VadJob(stream, chunks, asyncio.get_running_loop().create_future(), echo, far)
