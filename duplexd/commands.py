@@ -79,6 +79,21 @@ class StopAudio:
     reply: int
 
 
+@dataclass(frozen=True, slots=True)
+class PauseAudio:
+    """The user may be talking over reply `reply`: send no more of its audio (the client pauses playback
+    on `reply.paused`), and keep it all, until `ResumeAudio` or `StopAudio`."""
+
+    reply: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeAudio:
+    """Reply `reply` plays on from where it paused (it was not an interruption)."""
+
+    reply: int
+
+
 Command = (
     AppendUserText
     | StartReply
@@ -90,4 +105,6 @@ Command = (
     | PlayAudio
     | EndAudio
     | StopAudio
+    | PauseAudio
+    | ResumeAudio
 )

@@ -307,6 +307,16 @@ class TurnConfig:
     """Committed words (not backchannels, not the reply's own echo) that interrupt the reply ..."""
     barge_in_partial_words: int = 3
     """... or as many words of the recognizer's latest (not yet committed) hypothesis."""
+    pause_on_speech_ms: int = 128
+    """Speech (VAD, this long without a break) while the reply is playing pauses it at once (`reply.paused`),
+    before any word is recognized; the words then interrupt it as above, or the reply resumes where it
+    paused (`reply.resumed`): a cough, a backchannel, noise. 0: the reply plays on until words interrupt it."""
+    resume_silence_ms: int = 600
+    """A paused reply resumes once the user has been silent this long and the recognizer has no word of
+    theirs that interrupts (backchannels and the reply's echo do not) ..."""
+    resume_timeout_ms: int = 2500
+    """... or once this long has passed since the pause without a word of theirs at all (sound the
+    recognizer makes nothing of: noise that goes on)."""
     echo_cancellation: str = "off"
     """The reply's echo in the microphone (WebRTC AEC3 against the reply audio sent, placed by the client's
     playback; sessions with reply audio, and only once the microphone is heard to follow the loudspeaker).
@@ -339,6 +349,14 @@ class TurnConfig:
         )
         _require(0.0 < self.echo_similarity <= 1.0, "turn.echo_similarity", self.echo_similarity, "in (0, 1]")
         _require(self.barge_in_partial_words >= 1, "turn.barge_in_partial_words", self.barge_in_partial_words, ">= 1")
+        _require(self.pause_on_speech_ms >= 0, "turn.pause_on_speech_ms", self.pause_on_speech_ms, ">= 0")
+        _require(self.resume_silence_ms >= 0, "turn.resume_silence_ms", self.resume_silence_ms, ">= 0")
+        _require(
+            self.resume_timeout_ms >= self.resume_silence_ms,
+            "turn.resume_timeout_ms",
+            self.resume_timeout_ms,
+            ">= resume_silence_ms",
+        )
 
     @property
     def backchannel_words(self) -> frozenset[str]:

@@ -110,6 +110,24 @@ class ReplyDone:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplyPaused:
+    """Speech over the reply: its audio stops at once, `played_ms` into it (the server's estimate of where
+    the client is), until it is interrupted (`ReplyInterrupted`) or resumes (`ReplyResumed`)."""
+
+    reply: int
+    played_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyResumed:
+    """No words came of the sound that paused the reply (a cough, a backchannel, noise): it plays on from
+    where it paused, `paused_ms` later."""
+
+    reply: int
+    paused_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class ReplyInterrupted:
     """The reply stopped; only `heard_text` (the first `heard_ms` of its audio) stays in the conversation."""
 
@@ -138,6 +156,8 @@ Event = (
     | ReplySpeculation
     | ReplyDelta
     | ReplyDone
+    | ReplyPaused
+    | ReplyResumed
     | ReplyInterrupted
     | ErrorRaised
 )

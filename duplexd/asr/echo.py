@@ -187,6 +187,13 @@ class FarEnd:
         offset again at the next `take`."""
         self._offset = None
 
+    def silence(self, n: int) -> np.ndarray:
+        """The reference for the next `n` microphone samples while the client's playback is paused: nothing.
+        The offset is set again when it plays on."""
+        self._mic += n
+        self._offset = None
+        return np.zeros(n, np.float32)
+
     def take(self, played: int, n: int) -> np.ndarray:
         """The reference for the next `n` microphone samples, arriving now that the client has played the
         output stream up to `played`."""

@@ -2,7 +2,8 @@
 mid-sentence, talking over the reply, a backchannel during it, the reply's own echo in the microphone.
 
 Composition only: concatenation, inserted silence, a gain, and speech injected at a chosen moment of the
-reply (`converse_pcm(inject=...)`); never synthesized voices. Audio is int16 mono at RATE. The basics
+reply (`converse_pcm(inject=...)`); never synthesized voices. The one synthesized sound is `noises()`: a
+cough-like burst and a clatter, no speech in them (the set has no recording of either). Audio is int16 mono at RATE. The basics
 (`RATE`, `load`, `silence`, `speech_end_s`) live in `clients.clips` and are re-exported here, so that a
 scenario reads in one vocabulary: `sc.load(...)`, `sc.silence(0.5)`.
 """
@@ -18,6 +19,7 @@ import numpy as np
 
 from duplexd.clients.clips import RATE, load, silence
 from duplexd.clients.clips import speech_end_s as speech_end_s
+from duplexd.clients.clips import speech_start_s as speech_start_s
 from duplexd.clients.converse import ConversationResult
 from duplexd.config import ServerConfig, TtsConfig
 
@@ -49,6 +51,47 @@ def backchannel(speech_dir: Path) -> np.ndarray:
     a, b = BACKCHANNEL_SPAN_S
     audio = load(speech_dir / BACKCHANNEL_CLIP)[round(a * RATE) : round(b * RATE)].astype(np.float32)
     return np.clip(audio * BACKCHANNEL_GAIN, -32767, 32767).astype(np.int16)
+
+
+def noises(seed: int = 7) -> dict[str, np.ndarray]:
+    """Sounds that are not words, at talking level: `cough` (two bursts of band-limited noise, a sharp
+    attack and a ~150 ms decay, 0.2 s apart), `clatter` (five knocks: decaying resonances at random
+    pitches over 0.6 s) and `throat` (a throat clearing: 0.35 s of a voiced buzz, pitch falling 180 to
+    110 Hz, through two vowel-like resonances, under breath noise). Deterministic for a seed."""
+    rng = np.random.default_rng(seed)
+
+    def burst(seconds: float, decay_s: float) -> np.ndarray:
+        n = round(seconds * RATE)
+        t = np.arange(n) / RATE
+        noise = rng.standard_normal(n)
+        spectrum = np.fft.rfft(noise)
+        f = np.fft.rfftfreq(n, 1 / RATE)
+        spectrum[(f < 300) | (f > 4000)] *= 0.1  # a cough's energy is mostly 0.3-4 kHz
+        shaped = np.fft.irfft(spectrum, n)
+        envelope = np.minimum(t / 0.015, 1.0) * np.exp(-t / decay_s)
+        return shaped / np.abs(shaped).max() * envelope
+
+    cough = np.concatenate([burst(0.3, 0.12), np.zeros(round(0.2 * RATE)), 0.7 * burst(0.25, 0.1)])
+    clatter = np.zeros(round(0.6 * RATE))
+    for start in sorted(rng.uniform(0.0, 0.5, 5)):
+        t = np.arange(round(0.08 * RATE)) / RATE
+        knock = np.sin(2 * np.pi * rng.uniform(400, 2500) * t) * np.exp(-t / 0.015)
+        i = round(start * RATE)
+        clatter[i : i + len(knock)] += knock[: len(clatter) - i]
+    n = round(0.35 * RATE)
+    t = np.arange(n) / RATE
+    phase = 2 * np.pi * np.cumsum(np.linspace(180, 110, n)) / RATE
+    buzz = sum(np.sin(k * phase) / k for k in range(1, 30))  # a sawtooth: a glottal source's harmonics
+    spectrum, f = np.fft.rfft(buzz), np.fft.rfftfreq(n, 1 / RATE)
+    resonance = sum(1 / (1 + ((f - fc) / bw) ** 2) for fc, bw in ((550, 90), (1400, 120)))
+    voiced = np.fft.irfft(spectrum * resonance, n)
+    throat = voiced / np.abs(voiced).max() + 0.15 * rng.standard_normal(n)
+    throat *= np.minimum(t / 0.03, 1.0) * np.minimum((t[-1] - t) / 0.08, 1.0)
+    level = 10 ** (-12 / 20)  # peaks at -12 dBFS: about as loud as the clips' speech
+    return {
+        name: (np.clip(x / np.abs(x).max() * level, -1, 1) * 32767).astype(np.int16)
+        for name, x in (("cough", cough), ("clatter", clatter), ("throat", throat))
+    }
 
 
 @dataclass(slots=True)

@@ -10,15 +10,22 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
   mid-sentence; ending the turn during the pause is a premature endpoint.
 - backchannel: "okay, okay" (a real meeting recording) said while the reply plays; any interruption is a
   false barge-in.
+- noise: sounds that are not words while the reply plays (`scenarios.noises`: a cough, a clatter, a
+  throat clearing; synthesized, the set has no recording of them); any interruption is a false barge-in.
 - echo: the reply's own audio reaches the microphone through a room (`bench.room`: clipping, an image-method
   impulse response with RT60 0.2-0.6 s, a drifting 50-200 ms playback delay) at -6 dB and at 0 dB; any
   interruption is a false barge-in. The echo canceller's ERLE on the same rooms is measured offline.
-- talk-over: another clip said as soon as the reply's audio starts; the time from its start to
-  `reply.interrupted` is the barge-in latency (a reply that ends before the words are recognized is
-  not interrupted, and counts against the barge-in rate). talk_over_echo: the same over the reply's own
+- talk-over: another clip said as soon as the reply's audio starts. From the start of its speech (Silero
+  VAD offline) to the reply's audio stopping at the client (`reply.paused`, or `reply.interrupted` if no
+  pause came first) is the barge-in stop time; to `reply.interrupted`, the confirmation (a reply that ends
+  before the words are recognized is not interrupted, and counts against the barge-in rate). talk_over_echo: the same over the reply's own
   echo (-6 dB, through a room): the echo canceller must not take the user out with the echo.
 
-The server runs with the turn-taking features on (`FEATURES_ON`: `turn.echo_cancellation = "gate"`);
+Replies paused by sound over them (backchannel, noise, echo) that then played on count towards
+`resumed_after_false_interruption_rate`.
+
+The server runs with the turn-taking features on (`FEATURES_ON`: `turn.echo_cancellation = "gate"`, the
+reply paused on speech);
 `--baseline` runs every scenario again with them off (`BASELINE_OFF`), under `off`, in the same run.
 """
 
@@ -45,11 +52,12 @@ from duplexd.clients.stats import percentile
 
 QUESTION_MAX_S = 8.0  # single-speaker clips up to this long are the questions
 PAUSES_S = (0.4, 0.6, 0.8, 1.0)  # mid-sentence pauses (--quick: the 0.6 s one only)
-SCENARIOS = ("question", "pause", "backchannel", "echo", "talk_over", "talk_over_echo")
+SCENARIOS = ("question", "pause", "backchannel", "noise", "echo", "talk_over", "talk_over_echo")
 ECHO_GAINS = (0.5, 1.0)  # -6 dB and 0 dB against the reply
 # The turn-taking features measured (the `on` side), and what `--baseline` runs instead (`off`).
-FEATURES_ON = {"turn.echo_cancellation": "gate"}
-BASELINE_OFF = {"turn.echo_cancellation": "off"}
+FEATURES_ON = {"turn.echo_cancellation": "gate", "turn.pause_on_speech_ms": "128"}
+BASELINE_OFF = {"turn.echo_cancellation": "off", "turn.pause_on_speech_ms": "0"}
+FALSE_INTERRUPTIONS = ("backchannel", "noise", "echo")  # sound over the reply that must not stop it
 
 
 @dataclass(slots=True)
@@ -66,6 +74,10 @@ class Run:
     reply_text: str
     reply_audio_s: float
     barge_in_s: float | None = None  # talk-over: from the start of the talk-over to reply.interrupted
+    stop_s: float | None = None  # talk-over: from its speech onset to the reply's audio stopping (client)
+    confirm_s: float | None = None  # talk-over: from its speech onset to reply.interrupted
+    paused: int = 0  # reply.paused events (speech over the reply stopped its audio)
+    resumed: int = 0  # reply.resumed events (it played on: no words came of it)
     heard_over_reply: str = ""  # what the recognizer made of speech during the reply (last hypotheses)
     room: str = ""  # echo: the path from the loudspeaker to the microphone
     pause_s: float | None = None  # pause: how long the mid-sentence pause was
@@ -103,6 +115,8 @@ def _measure(scenario: str, clip: Clip, result: ConversationResult, eos_s: float
         reply_text="".join(r.event["text"] for r in result.of_type("reply.delta")),
         reply_audio_s=round(sum(len(a.samples) for a in result.audio) / 24_000, 3),
         heard_over_reply=" | ".join(over.values()),
+        paused=len(result.of_type("reply.paused")),
+        resumed=len(result.of_type("reply.resumed")),
     )
 
 
@@ -147,6 +161,15 @@ async def _conversations(url: str, clips: list[Clip], quick: bool, scenarios: tu
             result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject)
             runs.append(_measure("backchannel", clip, result, sc.speech_end_s(audio), None))
             print(f"  backchannel {clip.path.name}: interrupted={runs[-1].interrupted}", flush=True)
+    if "noise" in scenarios:
+        for name, sound in sc.noises().items():
+            for clip in overlapped:
+                audio = np.concatenate([lead, sc.load(clip.path)])
+                inject = sc.During(sound, after_s=0.3)
+                result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject)
+                runs.append(_measure("noise", clip, result, sc.speech_end_s(audio), None))
+                runs[-1].room = name  # (the sound)
+                print(f"  noise {name} {clip.path.name}: interrupted={runs[-1].interrupted}", flush=True)
     if "echo" in scenarios:
         for gain in ECHO_GAINS:
             for clip, spec in zip(overlapped, room.rooms(len(overlapped), gain), strict=True):
@@ -156,6 +179,7 @@ async def _conversations(url: str, clips: list[Clip], quick: bool, scenarios: tu
                 runs[-1].room = spec.name
                 print(f"  echo {clip.path.name} ({spec.name}): interrupted={runs[-1].interrupted}", flush=True)
     talk = sc.load(speech_dir / "clip16_sb_example1.wav")
+    talk_onset_s = sc.speech_start_s(talk)
     for scenario in ("talk_over", "talk_over_echo"):
         if scenario not in scenarios:
             continue
@@ -168,6 +192,12 @@ async def _conversations(url: str, clips: list[Clip], quick: bool, scenarios: tu
             stops = result.of_type("reply.interrupted")
             if stops and inject.said_at is not None:
                 run.barge_in_s = round(stops[0].t - inject.said_at, 3)
+            if inject.said_at is not None:
+                onset = inject.said_at + talk_onset_s
+                halts = [r.t for r in result.events if r.event["type"] in ("reply.paused", "reply.interrupted")]
+                halts = [t for t in halts if t >= inject.said_at]
+                run.stop_s = round(halts[0] - onset, 3) if halts else None
+                run.confirm_s = round(stops[0].t - onset, 3) if stops else None
             run.room = spec.name if path is not None else ""
             runs.append(run)
             print(f"  {scenario} {clip.path.name}: interrupted={run.interrupted} after {run.barge_in_s}", flush=True)
@@ -195,6 +225,7 @@ def _side(
     questions = [r for r in runs if r.scenario == "question"]
     turn_taking = [r for r in runs if r.scenario in ("question", "pause")]
     overlapped = [r for r in runs if r.scenario in ("backchannel", "echo")]
+    false_paused = [r for r in runs if r.scenario in FALSE_INTERRUPTIONS and r.paused]
     talk_over = [r for r in runs if r.scenario == "talk_over"]
     barge_in = _stats([r.barge_in_s for r in talk_over])
     barge_in_echo = _stats([r.barge_in_s for r in runs if r.scenario == "talk_over_echo"])
@@ -220,6 +251,14 @@ def _side(
         "false_barge_in_rate": sum(r.interrupted for r in overlapped) / len(overlapped) if overlapped else None,
         "echo_false_barge_in_rate": _rate(runs, "echo"),
         "backchannel_false_barge_in_rate": _rate(runs, "backchannel"),
+        "noise_false_barge_in_rate": _rate(runs, "noise"),
+        "false_pause_rate": len(false_paused) / n if (n := sum(r.scenario in FALSE_INTERRUPTIONS for r in runs)) else None,
+        "resumed_after_false_interruption_rate": (
+            sum(bool(r.resumed) and not r.interrupted for r in false_paused) / len(false_paused) if false_paused else None
+        ),
+        "barge_in_stop_p50_s": _stats([r.stop_s for r in talk_over])["p50"],
+        "barge_in_stop_p90_s": _stats([r.stop_s for r in talk_over])["p90"],
+        "barge_in_confirm_p50_s": _stats([r.confirm_s for r in talk_over])["p50"],
         "barge_in_rate": _rate(runs, "talk_over"),
         "barge_in_latency_p50_s": barge_in["p50"],
         "echo_talk_over_barge_in_rate": _rate(runs, "talk_over_echo"),  # (the user talks over their own echo)
@@ -310,7 +349,13 @@ def _side_table(result: dict[str, Any]) -> list[str]:
         f"premature endpoints: {pct(result['premature_endpoint_rate'])} of {c['question'] + c['pause']} turns "
         f"(by pause: {', '.join(f'{p} s {pct(v)}' for p, v in result['premature_by_pause'].items()) or '-'})",
         f"false barge-ins: echo {pct(result['echo_false_barge_in_rate'])} of {c['echo']}, "
-        f"backchannel {pct(result['backchannel_false_barge_in_rate'])} of {c['backchannel']}",
+        f"backchannel {pct(result['backchannel_false_barge_in_rate'])} of {c['backchannel']}, "
+        f"noise {pct(result.get('noise_false_barge_in_rate'))} of {c.get('noise', 0)}",
+        f"replies paused by sound that was not the user talking (backchannel, noise, echo): "
+        f"{pct(result.get('false_pause_rate'))}; of those, resumed: {pct(result.get('resumed_after_false_interruption_rate'))}",
+        f"talk-over: reply audio stopped p50 {s(result.get('barge_in_stop_p50_s'))} "
+        f"(p90 {s(result.get('barge_in_stop_p90_s'))}) after its speech began, interruption confirmed p50 "
+        f"{s(result.get('barge_in_confirm_p50_s'))}",
         f"talk-overs that interrupted: {pct(result['barge_in_rate'])} of {c['talk_over']}, "
         f"p50 {s(result['barge_in_latency_p50_s'])} after the talk-over began",
         f"talk-overs with the reply's echo (-6 dB) that interrupted: {pct(result['echo_talk_over_barge_in_rate'])} "

@@ -70,12 +70,27 @@ def silence(seconds: float) -> np.ndarray:
     return np.zeros(round(seconds * RATE), np.int16)
 
 
-def speech_end_s(audio: np.ndarray, threshold: float = 0.5) -> float:
-    """Where the speech in `audio` ends: the end of the last 32 ms chunk Silero VAD calls speech."""
+def _voiced_chunks(audio: np.ndarray, threshold: float) -> np.ndarray:
+    """Indices of the 32 ms chunks of `audio` that Silero VAD calls speech."""
     from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
 
     x = audio.astype(np.float32) / 32768.0
     k = len(x) // VAD_CHUNK_SAMPLES
     (probs,) = SileroVad().probabilities([VadStream()], [x[: k * VAD_CHUNK_SAMPLES].reshape(k, -1)])
-    voiced = np.flatnonzero(probs >= threshold)
+    return np.flatnonzero(probs >= threshold)
+
+
+def speech_end_s(audio: np.ndarray, threshold: float = 0.5) -> float:
+    """Where the speech in `audio` ends: the end of the last 32 ms chunk Silero VAD calls speech."""
+    from duplexd.asr.vad import VAD_CHUNK_SAMPLES
+
+    voiced = _voiced_chunks(audio, threshold)
     return float((voiced[-1] + 1) * VAD_CHUNK_SAMPLES / RATE) if len(voiced) else 0.0
+
+
+def speech_start_s(audio: np.ndarray, threshold: float = 0.5) -> float:
+    """Where the speech in `audio` begins: the start of the first 32 ms chunk Silero VAD calls speech."""
+    from duplexd.asr.vad import VAD_CHUNK_SAMPLES
+
+    voiced = _voiced_chunks(audio, threshold)
+    return float(voiced[0] * VAD_CHUNK_SAMPLES / RATE) if len(voiced) else 0.0

@@ -61,12 +61,15 @@ class _Player:
         self.pcm = bytearray()  # everything received (PCM16), for the echo of what is played
         self._echo_from = 0
         self._clock: float | None = None  # when `played` was last advanced, while playing
+        self.paused = False  # reply.paused: playback stops where it is until reply.resumed or .interrupted
 
     @property
     def received(self) -> int:
         return len(self.pcm) // 2
 
     def advance(self, now: float) -> int:
+        if self.paused:
+            return self.played
         if self._clock is None:
             if self.received - self.played >= JITTER_S * OUTPUT_RATE:
                 self._clock = now
@@ -75,9 +78,22 @@ class _Player:
         self._clock = now if self.played < self.received else None  # underrun: wait for the buffer again
         return self.played
 
+    def pause(self, now: float) -> None:
+        """reply.paused: stop playing now, keeping what is buffered."""
+        if not self.paused:
+            self.advance(now)
+            self.paused = True
+
+    def resume(self, now: float) -> None:
+        """reply.resumed: play on from where it paused."""
+        if self.paused:
+            self.paused = False
+            self._clock = now if self.played < self.received else None
+
     def flush(self) -> None:
         """reply.interrupted: drop what was not played (it counts as played: the streams stay aligned)."""
         self.played = self.received
+        self.paused = False
         self._clock = None
         self._echo_from = self.played
 
@@ -145,6 +161,10 @@ async def converse_pcm(
                     await client.ack(got.event["token_seq"])  # (over a live socket, tokens arrive in order)
                 if kind == "reply.started":
                     current[0] = got.event["reply"]
+                elif kind == "reply.paused":
+                    player.pause(now)
+                elif kind == "reply.resumed":
+                    player.resume(now)
                 elif kind == "reply.interrupted":
                     player.flush()
                 if on_event is not None:

@@ -19,6 +19,7 @@ class PlaybackClock:
         self._anchor: tuple[int, float] | None = None  # (samples played, when): a report or a known position
         self._virtual = 0  # samples played by the assumed real-time client, before any anchor
         self._virtual_at = now
+        self._held = False  # the client paused playback: its position stays where it was
 
     @property
     def reported(self) -> int | None:
@@ -27,6 +28,8 @@ class PlaybackClock:
 
     def played(self, sent: int, now: float) -> int:
         """Samples played by `now`, of the `sent` sent so far."""
+        if self._held:
+            return min(sent, self._anchor[0] if self._anchor is not None else self._virtual)
         if self._anchor is not None:
             samples, at = self._anchor
             played = min(sent, samples + int((now - at) * self.rate))
@@ -53,6 +56,19 @@ class PlaybackClock:
         self._virtual = sent
         if self._anchor is not None:
             self._anchor = (sent, now)
+
+    def hold(self, sent: int, now: float) -> None:
+        """The client pauses playback (`reply.paused`): the position stops where it is now; reports move it
+        (the client stops a little after the server says so)."""
+        if not self._held:
+            self._anchor = (self.played(sent, now), now)
+            self._held = True
+
+    def release(self, now: float) -> None:
+        """The client plays on from where it paused."""
+        if self._held:
+            self._held = False
+            self.resume(now)
 
     def resume(self, now: float) -> None:
         """A new connection: the client plays on from where it was; until it reports, real time from now."""

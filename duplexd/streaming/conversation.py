@@ -7,6 +7,8 @@ dialog engine, TTS and the client report, and carries out the commands it return
     reply text        -> reply_text()   -> ReplyDelta + Synthesize (pieces cut by the TextChunker)
     TTS audio         -> audio_ready()  -> PlayAudio (in order), EndAudio once the whole reply is voiced
     audio sent        -> audio_sent()   -> ReplyDone
+    speech over reply -> tick()         -> PauseAudio + ReplyPaused (VAD alone, before any word)
+                      -> tick()         -> ResumeAudio + ReplyResumed (no word that interrupts came of it)
     user talks over   -> observe()      -> InterruptReply + StopAudio + ReplyInterrupted (context = what was heard)
 
 Times: `stream_s` is seconds of input audio (the client's timeline); output audio is counted in samples
@@ -27,9 +29,11 @@ from duplexd.commands import (
     DraftReply,
     EndAudio,
     InterruptReply,
+    PauseAudio,
     PlayAudio,
     PrefetchSpeech,
     ReplaceContext,
+    ResumeAudio,
     StartReply,
     StopAudio,
     Synthesize,
@@ -40,6 +44,8 @@ from duplexd.events import (
     ReplyDelta,
     ReplyDone,
     ReplyInterrupted,
+    ReplyPaused,
+    ReplyResumed,
     ReplyStarted,
     TranscriptUpdated,
     TurnEnded,
@@ -106,6 +112,8 @@ class _Reply:
     max_tokens: int | None = None  # the reply's text ends after this many tokens (a Realtime `max_output_tokens`)
     capped: bool = False  # ... and it did
     kept_tokens: int | None = None  # after a cut (barge-in, cancel, truncate): the tokens left in the context
+    paused_at_s: float | None = None  # stream time at which speech over the reply paused it (None: playing)
+    pause_armed: bool = True  # False after a resume, until VAD's run of speech that paused it has ended
 
     @property
     def samples(self) -> int:
@@ -273,11 +281,14 @@ class Conversation:
         if version == self._versions:
             self._p_end, self._p_version = p, version
 
-    def tick(self, *, stream_s: float, silence_ms: float, asr_settled: bool) -> list[Output]:
+    def tick(self, *, stream_s: float, silence_ms: float, asr_settled: bool, voiced_ms: float = 0.0) -> list[Output]:
         """Called as time passes (each VAD batch, each ASR pass). `silence_ms`: since the last voiced audio
-        (0 while speaking); `asr_settled`: no recognizer pass due or running for this session."""
+        (0 while speaking); `asr_settled`: no recognizer pass due or running for this session; `voiced_ms`:
+        how long VAD has heard speech without a break (0 in silence)."""
         out: list[Output] = []
-        if self._reply is not None or not self.auto_turns:
+        if self._reply is not None:
+            return self._pause_or_resume(self._reply, stream_s, silence_ms, asr_settled, voiced_ms)
+        if not self.auto_turns:
             return out
         text = " ".join(self._turn_words)
         final = asr_settled and not self._open
@@ -481,6 +492,40 @@ class Conversation:
         ):
             return []
         return self._interrupt("barge_in")
+
+    def _pause_or_resume(
+        self, r: _Reply, stream_s: float, silence_ms: float, asr_settled: bool, voiced_ms: float
+    ) -> list[Output]:
+        """Speech over the playing reply pauses it at once; the words then interrupt it (`_maybe_barge_in`),
+        or, when none come that do, it resumes where it paused."""
+        onset_ms = self._turn.pause_on_speech_ms
+        if r.paused_at_s is None:
+            if voiced_ms < onset_ms:
+                r.pause_armed = True
+            if not (self.barge_in and onset_ms and r.pause_armed and voiced_ms >= onset_ms and self._audible(r)):
+                return []
+            r.paused_at_s = stream_s
+            heard_ms = 1000 * max(0, self._played_samples - (r.start_sample or 0)) / OUTPUT_SAMPLE_RATE
+            return [PauseAudio(r.number), ReplyPaused(r.number, heard_ms)]
+        counted = self._counted_words(r)
+        paused_ms = 1000 * (stream_s - r.paused_at_s)
+        quiet = silence_ms >= self._turn.resume_silence_ms and asr_settled
+        if (quiet and counted < self._turn.barge_in_words) or (
+            counted == 0 and paused_ms >= self._turn.resume_timeout_ms
+        ):
+            r.paused_at_s, r.pause_armed = None, False
+            return [ResumeAudio(r.number), ReplyResumed(r.number, paused_ms)]
+        return []
+
+    def _audible(self, r: _Reply) -> bool:
+        """Reply `r`'s audio is playing at the client: some has been handed out and not all of it played."""
+        if r.start_sample is None or not r.piece_samples:
+            return False
+        return self._played_samples < r.start_sample + r.samples or not r.audio_ended
+
+    def _counted_words(self, r: _Reply) -> int:
+        """Words said over reply `r` that count as the user talking, committed or not (the latest hypothesis)."""
+        return sum(len(self._meaningful(words, r)) for words, _, _ in self._held.values())
 
     def cancel(self) -> list[Output]:
         """The client's `reply.cancel`. Returns [] with no reply in progress (the shell reports `no_reply`)."""

@@ -37,6 +37,7 @@ class Playout:
         # never holds more than `max_samples` plus one push (a TTS piece: a clause, a few seconds).
         self._queue: deque[tuple[int, np.ndarray]] = deque()
         self._ended: list[int] = []  # replies whose audio is complete, in order
+        self.paused = False  # the client paused playback (speech over the reply): nothing goes out
 
     @property
     def queued(self) -> int:
@@ -68,7 +69,7 @@ class Playout:
 
         The conversation voices one reply at a time, so the queue holds one reply's audio."""
         frames: list[tuple[int, bytes]] = []
-        while (available := self.queued) and self.sent - played < self.lead_samples:
+        while not self.paused and (available := self.queued) and self.sent - played < self.lead_samples:
             if available < self.frame_samples and not self._ended:
                 break  # wait for more audio rather than send a short frame mid-reply
             reply = self._queue[0][0]

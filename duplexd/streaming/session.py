@@ -103,6 +103,11 @@ class Session:
         return 1000.0 * (self._vad_done / VAD_SAMPLE_RATE - self._last_voice_s)
 
     @property
+    def voiced_ms(self) -> float:
+        """How long VAD has heard speech without a break, up to `heard_s` (0 in silence)."""
+        return 1000.0 * self._voiced_run * VAD_CHUNK_SAMPLES / VAD_SAMPLE_RATE
+
+    @property
     def asr_settled(self) -> bool:
         """No recognizer pass due or running: the transcript reflects all speech heard so far."""
         return not (self.transcriber.wants_pass() or self.transcriber.pass_in_flight)

@@ -42,6 +42,8 @@ class ServerType(StrEnum):
     REPLY_SPECULATION = "reply.speculation"
     REPLY_DELTA = "reply.delta"
     REPLY_DONE = "reply.done"
+    REPLY_PAUSED = "reply.paused"
+    REPLY_RESUMED = "reply.resumed"
     REPLY_INTERRUPTED = "reply.interrupted"
     ERROR = "error"
 
@@ -274,6 +276,10 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
             return {"type": ServerType.REPLY_DELTA, "reply": r, "text": text}  # the shell adds its token_seq
         case ev.ReplyDone(reply=r, text=text, audio_ms=ms):
             return {"type": ServerType.REPLY_DONE, "reply": r, "text": text, "audio_ms": round(ms, 1)}
+        case ev.ReplyPaused(reply=r, played_ms=ms):
+            return {"type": ServerType.REPLY_PAUSED, "reply": r, "played_ms": round(ms, 1)}
+        case ev.ReplyResumed(reply=r, paused_ms=ms):
+            return {"type": ServerType.REPLY_RESUMED, "reply": r, "paused_ms": round(ms, 1)}
         case ev.ReplyInterrupted(reply=r, heard_ms=ms, heard_text=text, reason=reason):
             return {
                 "type": ServerType.REPLY_INTERRUPTED,

@@ -99,7 +99,10 @@ class VoiceLoop:
         session = self.session
         self.dispatch(
             self.conversation.tick(
-                stream_s=session.heard_s, silence_ms=session.silence_ms, asr_settled=session.asr_settled
+                stream_s=session.heard_s,
+                silence_ms=session.silence_ms,
+                asr_settled=session.asr_settled,
+                voiced_ms=session.voiced_ms,
             ),
             now,
         )
@@ -127,7 +130,16 @@ class VoiceLoop:
                 case cmd.EndAudio(reply=reply):
                     self.playout.end(reply)
                     self._wake()
+                case cmd.PauseAudio():
+                    self.playout.paused = True
+                    self.clock.hold(self.playout.sent, now)
+                case cmd.ResumeAudio():
+                    self.playout.paused = False
+                    self.clock.release(now)
+                    self._wake()
                 case cmd.StopAudio(reply=reply):
+                    self.playout.paused = False
+                    self.clock.release(now)
                     self.playout.stop(reply)
                     self._forget_pieces(reply)
                     self.tts.cancel((session.id, reply))
@@ -241,7 +253,11 @@ class VoiceLoop:
 
     def echo_reference(self, n: int, now: float) -> np.ndarray | None:
         """What the loudspeaker plays over the next `n` samples of microphone audio (None: no canceller)."""
-        return None if self.far_end is None else self.far_end.take(self.played(now), n)
+        if self.far_end is None:
+            return None
+        if self.playout.paused:  # the client is not playing: the loudspeaker is silent
+            return self.far_end.silence(n)
+        return self.far_end.take(self.played(now), n)
 
     @property
     def pacing(self) -> bool:

@@ -51,3 +51,19 @@ def test_a_resume_plays_on_from_the_last_position_in_real_time_from_then() -> No
     clock.report(2000, now=2.0)
     clock.resume(now=10.0)  # (8 s away: the client played nothing meanwhile)
     assert clock.played(sent=9000, now=11.0) == 3000
+
+
+def test_a_held_clock_stays_where_the_client_paused_and_plays_on_from_there() -> None:
+    clock = PlaybackClock(0.0, reports=False, rate=R)
+    clock.anchor(0, now=0.0)
+    clock.hold(sent=9000, now=1.5)
+    assert clock.played(sent=9000, now=4.0) == 1500  # paused 2.5 s: nothing played
+    clock.release(now=4.0)
+    assert clock.played(sent=9000, now=5.0) == 2500
+    reports = PlaybackClock(0.0, reports=True, rate=R)
+    reports.report(1000, now=1.0)
+    reports.hold(sent=9000, now=1.2)
+    reports.report(1300, now=1.5)  # (the client stopped a little after the server said so)
+    assert reports.played(sent=9000, now=3.0) == 1300
+    reports.release(now=3.0)
+    assert reports.played(sent=9000, now=3.5) == 1800

@@ -71,3 +71,13 @@ def test_a_full_playout_refuses_a_push_and_has_room_again_as_frames_go_out() -> 
 
 def test_the_bound_defaults_to_the_transport_setting() -> None:
     assert Playout(960, 960).max_samples == TransportConfig().max_queued_audio_s * 24_000 == 720_000
+
+
+def test_a_paused_playout_sends_nothing_and_keeps_everything() -> None:
+    p = Playout(frame_samples=960, lead_samples=24_000)
+    p.push(1, np.zeros(48_000, np.float32))
+    p.paused = True
+    assert p.take(played=0) == ([], []) and p.queued == 48_000
+    p.paused = False
+    frames, _ = p.take(played=0)
+    assert len(frames) == 25 and frames[0][0] == 1

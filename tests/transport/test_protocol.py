@@ -224,6 +224,8 @@ ENCODED = [
         ev.ReplyDone(reply=2, text="It is noon.", audio_ms=1234.56),
         {"type": "reply.done", "reply": 2, "text": "It is noon.", "audio_ms": 1234.6},
     ),
+    (ev.ReplyPaused(reply=2, played_ms=812.04), {"type": "reply.paused", "reply": 2, "played_ms": 812.0}),
+    (ev.ReplyResumed(reply=2, paused_ms=700.06), {"type": "reply.resumed", "reply": 2, "paused_ms": 700.1}),
     (
         ev.ReplyInterrupted(reply=2, heard_ms=500.04, heard_text="It", reason="barge_in"),
         {"type": "reply.interrupted", "reply": 2, "heard_ms": 500.0, "heard_text": "It", "reason": "barge_in"},

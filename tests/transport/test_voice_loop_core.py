@@ -15,6 +15,8 @@ from duplexd.config import TtsConfig, TurnConfig
 from duplexd.events import (
     ReplyDone,
     ReplyInterrupted,
+    ReplyPaused,
+    ReplyResumed,
     ReplyStarted,
     TranscriptUpdated,
     TurnEnded,
@@ -38,6 +40,7 @@ class FakeSession:
     heard_s: float = 0.0
     silence_ms: float = 0.0
     asr_settled: bool = True
+    voiced_ms: float = 0.0
     starved: list[bool] = field(default_factory=list)
 
     def note_reply_audio(self, starved: bool, now: float) -> None:
@@ -158,6 +161,30 @@ def test_a_barge_in_stops_generation_synthesis_and_audio_before_saying_so() -> N
     (interrupted,) = [x for k, x in rec.log if isinstance(x, ReplyInterrupted)]
     assert 900 <= interrupted.heard_ms <= 1100  # what was played, not what was sent
     assert not voice.playout.queued and voice.played(4.2) == sent  # the client skips to the end of what it got
+
+
+def test_speech_over_the_reply_pauses_its_audio_and_it_plays_on_from_there() -> None:
+    voice, rec, session = loop()
+    turn = ask(voice, session)
+    voice.reply_text(turn, ["Paris", "Paris is", "Paris is the", "Paris is the capital of France."], True, 3.1)
+    synthesize(rec, 2.0, 3.2)
+    pace(voice, 3.2, 4.2)  # one second played
+    sent = voice.playout.sent
+    session.heard_s, session.silence_ms, session.voiced_ms = 5.0, 0.0, 128.0  # a cough
+    voice.tick(4.2)
+    (paused,) = [x for k, x in rec.log if isinstance(x, ReplyPaused)]
+    assert 900 <= paused.played_ms <= 1100
+    pace(voice, 4.2, 5.2)  # paused: nothing goes out, the client plays nothing
+    assert voice.playout.sent == sent and voice.played(5.2) == voice.played(4.2)
+    session.heard_s, session.silence_ms, session.voiced_ms = 6.0, 700.0, 0.0  # no words came of it
+    voice.tick(5.2)
+    (resumed,) = [x for k, x in rec.log if isinstance(x, ReplyResumed)]
+    assert resumed.paused_ms == 1000
+    pace(voice, 5.2, 5.7)
+    assert voice.played(5.7) - voice.played(5.2) == SR // 2  # it plays on in real time from where it paused
+    assert voice.playout.sent > sent
+    pace(voice, 5.7, 9.0)  # (4 s of audio: 1 s before the pause, 3 s after)
+    assert not [x for k, x in rec.log if isinstance(x, ReplyInterrupted)] and not voice.pacing
 
 
 LONG = "One, two three four, five six seven eight, nine ten eleven twelve, thirteen fourteen fifteen sixteen, and on."

@@ -50,6 +50,8 @@ const pub = (window.duplexd = {
   errors: [], // {code, message}: server `error` messages and client-side failures
   closeCode: null,
   resumes: 0, // dropped connections the session survived (session.resume)
+  replyPauses: [], // {reply, at}: speech over a reply paused it (reply.paused) ...
+  replyResumes: [], // ... and it played on (reply.resumed): no words came of it
 });
 
 let session = null; // the live session (see start()), null when idle
@@ -106,7 +108,7 @@ async function start() {
   Object.assign(pub, {
     sessionId: null, dialog: null, transcriptFinal: [], replies: [], playedMs: 0, positionMs: 0,
     framesSent: 0, framesDropped: 0, lastLagMs: null, maxLagMs: null, eosToFirstAudioMs: [],
-    eosToFirstTextMs: [], errors: [], closeCode: null,
+    eosToFirstTextMs: [], errors: [], closeCode: null, replyPauses: [], replyResumes: [],
   });
   ui.transcript.replaceChildren();
   ui.reply.replaceChildren();
@@ -395,6 +397,14 @@ function onEvent(s, ev) {
       break;
     case "reply.done":
       onReplyDone(s, ev);
+      break;
+    case "reply.paused":
+      s.player.port.postMessage({ type: "pause" }); // keep the buffer: it may play on
+      pub.replyPauses.push({ reply: ev.reply, at: performance.now() });
+      break;
+    case "reply.resumed":
+      s.player.port.postMessage({ type: "resume" });
+      pub.replyResumes.push({ reply: ev.reply, at: performance.now() });
       break;
     case "reply.interrupted":
       onReplyInterrupted(s, ev);

@@ -6,6 +6,8 @@
 //   {type: "begin"}                   a reply starts: wait for the jitter buffer again
 //   {type: "end"}                     the reply's audio is complete: play out what is buffered
 //   {type: "flush"}                   the reply was interrupted: drop what is buffered and not played
+//   {type: "pause"} / {type: "resume"} the user may be talking over the reply: stop playing, keeping the
+//                                     buffer / play on from where it paused
 // Messages out: {type, played, skipped} with type "position" (every ~100 ms while it changes),
 // "drained" (a reply's audio has been played to the end), "flushed", "overflow".
 // `played` counts input samples actually played, `skipped` those dropped unplayed (flush, overflow);
@@ -22,6 +24,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
     this.count = 0; // buffered, unplayed samples
     this.phase = 0; // fractional position between ring[read] and the sample after it
     this.playing = false;
+    this.held = false; // paused by the server (speech over the reply): silent, the buffer kept
     this.ended = true; // no reply audio expected until "begin"
     this.played = 0;
     this.skipped = 0;
@@ -44,7 +47,13 @@ class PlayerProcessor extends AudioWorkletProcessor {
     } else if (msg.type === "end") {
       this.ended = true;
       if (this.count === 0 && !this.playing) this.post("drained");
+    } else if (msg.type === "pause") {
+      this.held = true;
+      this.post("position");
+    } else if (msg.type === "resume") {
+      this.held = false;
     } else if (msg.type === "flush") {
+      this.held = false;
       this.skipped += this.count;
       this.count = 0;
       this.phase = 0;
@@ -72,6 +81,11 @@ class PlayerProcessor extends AudioWorkletProcessor {
 
   process(inputs, outputs) {
     const out = outputs[0][0];
+    if (this.held) {
+      out.fill(0);
+      for (let c = 1; c < outputs[0].length; c++) outputs[0][c].fill(0);
+      return true;
+    }
     if (!this.playing && this.count > 0 && (this.count >= this.startSamples || this.ended)) {
       this.playing = true; // jitter buffer filled, or the reply is complete and shorter than it
     }

@@ -1,0 +1,109 @@
+"""Speech over a playing reply pauses it at once; words interrupt it, or it resumes (the conversation is pure)."""
+
+from __future__ import annotations
+
+from duplexd import commands as cmd
+from duplexd.config import TtsConfig, TurnConfig
+from duplexd.events import ReplyInterrupted, ReplyPaused, ReplyResumed, TranscriptUpdated, UtteranceFinalized
+from duplexd.streaming import conversation as cv
+from tests.streaming.test_conversation import SR, of, start_reply, stream_reply, voice_all, words
+
+TEXT = "Paris is the capital of France. It is a big city."
+
+
+def playing(**turn: int) -> tuple[cv.Conversation, int]:
+    """A conversation whose reply (3 s of audio) is 1.5 s into playing."""
+    conv = cv.Conversation(TurnConfig(min_silence_ms=250, **turn), TtsConfig(first_words=3))
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, TEXT))
+    conv.played(int(1.5 * SR))
+    return conv, reply
+
+
+def tick(conv: cv.Conversation, t: float, *, voiced_ms: float = 0, silence_ms: float = 0, settled: bool = True):
+    return conv.tick(stream_s=t, silence_ms=silence_ms, asr_settled=settled, voiced_ms=voiced_ms)
+
+
+def test_speech_pauses_the_reply_before_any_word() -> None:
+    conv, reply = playing()
+    assert tick(conv, 10.0, voiced_ms=96) == []  # shorter than pause_on_speech_ms (128)
+    out = tick(conv, 10.04, voiced_ms=128)
+    assert of(out, cmd.PauseAudio) == [cmd.PauseAudio(reply)]
+    (paused,) = of(out, ReplyPaused)
+    assert paused.reply == reply and paused.played_ms == 1500
+    assert tick(conv, 10.1, voiced_ms=200) == []  # once
+
+
+def test_words_confirm_the_pause_as_an_interruption() -> None:
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=128)
+    conv.played(int(1.6 * SR))  # the client stopped a little after the server said so
+    out = conv.observe([TranscriptUpdated(2, words("wait no"), 2)])
+    (told,) = of(out, ReplyInterrupted)
+    assert told.reason == "barge_in" and told.heard_ms == 1600
+    assert of(out, cmd.StopAudio) == [cmd.StopAudio(reply)]
+    assert not conv.replying
+
+
+def test_a_cough_resumes_the_reply_once_the_user_is_quiet() -> None:
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=128)
+    assert tick(conv, 10.3, silence_ms=100) == []  # the cough is over, not yet quiet for long
+    assert tick(conv, 10.8, silence_ms=600, settled=False) == []  # the recognizer still has a pass to run
+    out = tick(conv, 10.85, silence_ms=650)
+    assert of(out, cmd.ResumeAudio) == [cmd.ResumeAudio(reply)]
+    (resumed,) = of(out, ReplyResumed)
+    assert abs(resumed.paused_ms - 850) < 1e-6
+    assert conv.replying
+
+
+def test_a_backchannel_or_the_echo_resumes_it_but_one_real_word_waits_for_quiet() -> None:
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=160)
+    assert conv.observe([UtteranceFinalized(2, words("mm-hmm okay"))]) == []
+    assert conv.observe([UtteranceFinalized(3, words("capital of France"))]) == []  # its own voice
+    assert of(tick(conv, 10.7, silence_ms=600), ReplyResumed)
+    tick(conv, 11.9, silence_ms=1000)
+    assert of(tick(conv, 12.0, voiced_ms=160), ReplyPaused)  # the user again
+    conv.observe([TranscriptUpdated(4, words("hold"), 0)])
+    assert tick(conv, 15.0, voiced_ms=500) == []  # a word of theirs: no timeout while they talk
+    assert of(tick(conv, 15.7, silence_ms=600), ReplyResumed)  # one word does not interrupt (barge_in_words 2)
+
+
+def test_noise_that_goes_on_resumes_after_the_timeout_and_does_not_pause_again() -> None:
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=128)
+    assert tick(conv, 12.0, voiced_ms=2128) == []
+    out = tick(conv, 12.5, voiced_ms=2628)  # resume_timeout_ms: 2500
+    assert of(out, ReplyResumed)
+    assert tick(conv, 12.6, voiced_ms=2728) == []  # the same run of sound does not pause it again
+    tick(conv, 12.7, silence_ms=32)
+    assert of(tick(conv, 13.0, voiced_ms=128), cmd.PauseAudio)  # a new one does
+
+
+def test_no_pause_before_the_audio_plays_after_it_or_when_off() -> None:
+    conv = cv.Conversation(TurnConfig(min_silence_ms=250), TtsConfig(first_words=3))
+    reply = start_reply(conv)
+    out = stream_reply(conv, reply, TEXT)
+    assert tick(conv, 6.0, voiced_ms=500) == []  # no audio yet: nothing to pause (words still interrupt)
+    voice_all(conv, reply, out)
+    conv.audio_sent(reply)
+    conv.played(3 * SR - 1)
+    tick(conv, 7.0)
+    assert of(tick(conv, 7.2, voiced_ms=128), cmd.PauseAudio)
+    conv, reply = playing(pause_on_speech_ms=0)
+    assert tick(conv, 10.0, voiced_ms=1000) == []
+    conv, reply = playing()
+    conv.barge_in = False  # (a Realtime session whose client interrupts for itself)
+    assert tick(conv, 10.0, voiced_ms=1000) == []
+
+
+def test_a_paused_reply_does_not_end_until_it_has_played() -> None:
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=128)
+    conv.audio_sent(reply)
+    assert conv.replying
+    out = tick(conv, 11.0, silence_ms=700)
+    assert of(out, ReplyResumed)
+    conv.played(3 * SR)
+    assert not conv.replying
