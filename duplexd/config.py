@@ -311,9 +311,10 @@ class TurnConfig:
     """Speech (VAD, this long without a break) while the reply is playing pauses it at once (`reply.paused`),
     before any word is recognized; the words then interrupt it as above, or the reply resumes where it
     paused (`reply.resumed`): a cough, a backchannel, noise. 0: the reply plays on until words interrupt it."""
-    resume_silence_ms: int = 600
+    resume_silence_ms: int = 400
     """A paused reply resumes once the user has been silent this long and the recognizer has no word of
-    theirs that interrupts (backchannels and the reply's echo do not) ..."""
+    theirs that interrupts (backchannels and the reply's echo do not; words recognized later still
+    interrupt the resumed reply) ..."""
     resume_timeout_ms: int = 2500
     """... or once this long has passed since the pause without a word of theirs at all (sound the
     recognizer makes nothing of: noise that goes on)."""

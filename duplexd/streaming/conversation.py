@@ -57,6 +57,15 @@ from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 Output = Event | Command
 
+# A pause whose sound ended within this long of it stopped when the reply's playback did: the reply's own
+# echo does that (or a cough). After one, VAD alone no longer pauses that reply; after this many in a
+# session, no reply of it (words still interrupt them): the microphone hears the loudspeaker, and each pause
+# only cut the echo into fragments the text check no longer recognizes (measured: the e2e echo test, a
+# loudspeaker at -6 dB without echo cancellation, paused five times and was then interrupted by "Stay.";
+# the echo of the resumed reply paused it again within 0.2 s).
+ECHO_LIKE_PAUSE_MS = 400
+ECHO_LIKE_PAUSES = 2
+
 _NORMALIZE = re.compile(r"[^\w'\-]+")
 
 
@@ -114,6 +123,7 @@ class _Reply:
     kept_tokens: int | None = None  # after a cut (barge-in, cancel, truncate): the tokens left in the context
     paused_at_s: float | None = None  # stream time at which speech over the reply paused it (None: playing)
     pause_armed: bool = True  # False after a resume, until VAD's run of speech that paused it has ended
+    echo_like_pause: bool = False  # a pause's sound stopped with the playback: VAD no longer pauses this reply
 
     @property
     def samples(self) -> int:
@@ -168,6 +178,7 @@ class Conversation:
         self._p_version = -1
         self._held: dict[int, tuple[tuple[Word, ...], int, bool]] = {}  # during a reply: words, committed, final
         self._reply: _Reply | None = None
+        self._echo_like_pauses = 0  # false pauses whose sound stopped with the playback (see ECHO_LIKE_PAUSE_MS)
         self._out_samples = 0  # output stream: samples handed to the shell so far
         self._played_samples = 0
 
@@ -287,7 +298,7 @@ class Conversation:
         how long VAD has heard speech without a break (0 in silence)."""
         out: list[Output] = []
         if self._reply is not None:
-            return self._pause_or_resume(self._reply, stream_s, silence_ms, asr_settled, voiced_ms)
+            return self._pause_or_resume(self._reply, stream_s, silence_ms, voiced_ms)
         if not self.auto_turns:
             return out
         text = " ".join(self._turn_words)
@@ -493,29 +504,34 @@ class Conversation:
             return []
         return self._interrupt("barge_in")
 
-    def _pause_or_resume(
-        self, r: _Reply, stream_s: float, silence_ms: float, asr_settled: bool, voiced_ms: float
-    ) -> list[Output]:
+    def _pause_or_resume(self, r: _Reply, stream_s: float, silence_ms: float, voiced_ms: float) -> list[Output]:
         """Speech over the playing reply pauses it at once; the words then interrupt it (`_maybe_barge_in`),
         or, when none come that do, it resumes where it paused."""
         onset_ms = self._turn.pause_on_speech_ms
         if r.paused_at_s is None:
             if voiced_ms < onset_ms:
                 r.pause_armed = True
-            if not (self.barge_in and onset_ms and r.pause_armed and voiced_ms >= onset_ms and self._audible(r)):
+            if not (self.barge_in and self._pauses(r) and r.pause_armed and voiced_ms >= onset_ms and self._audible(r)):
                 return []
             r.paused_at_s = stream_s
             heard_ms = 1000 * max(0, self._played_samples - (r.start_sample or 0)) / OUTPUT_SAMPLE_RATE
             return [PauseAudio(r.number), ReplyPaused(r.number, heard_ms)]
         counted = self._counted_words(r)
         paused_ms = 1000 * (stream_s - r.paused_at_s)
-        quiet = silence_ms >= self._turn.resume_silence_ms and asr_settled
+        quiet = silence_ms >= self._turn.resume_silence_ms
         if (quiet and counted < self._turn.barge_in_words) or (
             counted == 0 and paused_ms >= self._turn.resume_timeout_ms
         ):
             r.paused_at_s, r.pause_armed = None, False
+            if paused_ms - silence_ms <= ECHO_LIKE_PAUSE_MS:  # (when the sound ended, after the pause)
+                r.echo_like_pause = True
+                self._echo_like_pauses += 1
             return [ResumeAudio(r.number), ReplyResumed(r.number, paused_ms)]
         return []
+
+    def _pauses(self, r: _Reply) -> bool:
+        """VAD alone may pause reply `r` (see ECHO_LIKE_PAUSE_MS)."""
+        return self.pauses_on_speech and not r.echo_like_pause
 
     def _audible(self, r: _Reply) -> bool:
         """Reply `r`'s audio is playing at the client: some has been handed out and not all of it played."""
@@ -579,6 +595,11 @@ class Conversation:
         """New endpointing settings (a Realtime `session.update`), from the next decision on."""
         self._turn = turn
         self._endpointer = Endpointer(turn)
+
+    @property
+    def pauses_on_speech(self) -> bool:
+        """VAD alone still pauses replies in this session (see ECHO_LIKE_PAUSES)."""
+        return bool(self._turn.pause_on_speech_ms) and self._echo_like_pauses < ECHO_LIKE_PAUSES
 
     @property
     def text_settled(self) -> bool:

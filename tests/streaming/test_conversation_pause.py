@@ -6,7 +6,7 @@ from duplexd import commands as cmd
 from duplexd.config import TtsConfig, TurnConfig
 from duplexd.events import ReplyInterrupted, ReplyPaused, ReplyResumed, TranscriptUpdated, UtteranceFinalized
 from duplexd.streaming import conversation as cv
-from tests.streaming.test_conversation import SR, of, start_reply, stream_reply, voice_all, words
+from tests.streaming.test_conversation import SR, of, say, start_reply, stream_reply, voice_all, words
 
 TEXT = "Paris is the capital of France. It is a big city."
 
@@ -48,13 +48,14 @@ def test_words_confirm_the_pause_as_an_interruption() -> None:
 def test_a_cough_resumes_the_reply_once_the_user_is_quiet() -> None:
     conv, reply = playing()
     tick(conv, 10.0, voiced_ms=128)
-    assert tick(conv, 10.3, silence_ms=100) == []  # the cough is over, not yet quiet for long
-    assert tick(conv, 10.8, silence_ms=600, settled=False) == []  # the recognizer still has a pass to run
-    out = tick(conv, 10.85, silence_ms=650)
+    assert tick(conv, 10.5, silence_ms=100) == []  # the cough is over, not yet quiet for long
+    out = tick(conv, 10.8, silence_ms=400, settled=False)  # (a word the recognizer finds later still interrupts)
     assert of(out, cmd.ResumeAudio) == [cmd.ResumeAudio(reply)]
     (resumed,) = of(out, ReplyResumed)
-    assert abs(resumed.paused_ms - 850) < 1e-6
+    assert abs(resumed.paused_ms - 800) < 1e-6
     assert conv.replying
+    out = conv.observe([TranscriptUpdated(2, words("no wait"), 2)])
+    assert of(out, ReplyInterrupted)
 
 
 def test_a_backchannel_or_the_echo_resumes_it_but_one_real_word_waits_for_quiet() -> None:
@@ -62,7 +63,7 @@ def test_a_backchannel_or_the_echo_resumes_it_but_one_real_word_waits_for_quiet(
     tick(conv, 10.0, voiced_ms=160)
     assert conv.observe([UtteranceFinalized(2, words("mm-hmm okay"))]) == []
     assert conv.observe([UtteranceFinalized(3, words("capital of France"))]) == []  # its own voice
-    assert of(tick(conv, 10.7, silence_ms=600), ReplyResumed)
+    assert of(tick(conv, 11.0, silence_ms=400), ReplyResumed)  # (its sound ended 600 ms after the pause)
     tick(conv, 11.9, silence_ms=1000)
     assert of(tick(conv, 12.0, voiced_ms=160), ReplyPaused)  # the user again
     conv.observe([TranscriptUpdated(4, words("hold"), 0)])
@@ -107,3 +108,36 @@ def test_a_paused_reply_does_not_end_until_it_has_played() -> None:
     assert of(out, ReplyResumed)
     conv.played(3 * SR)
     assert not conv.replying
+
+
+def test_sound_that_stops_with_the_playback_is_echo_like_and_stops_the_pausing() -> None:
+    """The reply's own echo ends as soon as its playback pauses (a user's talking does not): after one such
+    pause VAD no longer pauses that reply, after two none of the session's (words still interrupt)."""
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=128)
+    assert of(tick(conv, 10.5, silence_ms=400), ReplyResumed)  # the sound ended 100 ms after the pause
+    tick(conv, 10.6, silence_ms=500)
+    assert tick(conv, 11.0, voiced_ms=128) == []  # not this reply again
+    assert conv.pauses_on_speech
+    conv.audio_sent(reply)
+    conv.played(3 * SR)
+    assert not conv.replying
+    say(conv, 5, "And Germany?")
+    (turn,) = of(conv.tick(stream_s=15.0, silence_ms=400, asr_settled=True), cv.TurnEnded)
+    reply = turn.turn
+    voice_all(conv, reply, stream_reply(conv, reply, TEXT))
+    conv.played(4 * SR)
+    assert of(tick(conv, 20.0, voiced_ms=128), ReplyPaused)  # the next reply does pause
+    assert of(tick(conv, 20.45, silence_ms=400), ReplyResumed)
+    assert not conv.pauses_on_speech  # a second echo-like pause: VAD alone pauses no more replies
+    tick(conv, 21.0, silence_ms=700)
+    assert tick(conv, 21.2, voiced_ms=500) == []
+
+
+def test_a_user_who_keeps_talking_is_not_echo_like() -> None:
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=128)
+    conv.observe([TranscriptUpdated(2, words("hold"), 0)])  # one word: it does not interrupt
+    assert of(tick(conv, 11.6, silence_ms=400), ReplyResumed)  # talked 1.2 s past the pause
+    tick(conv, 12.0, silence_ms=800)
+    assert of(tick(conv, 12.2, voiced_ms=128), ReplyPaused)  # it may pause again
