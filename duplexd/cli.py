@@ -32,10 +32,12 @@ def load_engines(config: ServerConfig):
     t0 = time.perf_counter()
     vad = SileroVad(config.vad.model_path or None)
     asr = FasterWhisperEngine(config.asr)
-    dialog = tts = None
+    dialog = tts = turn_audio = None
     if config.dialog.enabled:
+        from duplexd.asr.turn_audio import load_turn_audio
         from duplexd.tts.engine import load_tts
 
+        turn_audio = load_turn_audio(config.turn.audio_model)
         if config.dialog.backend == "remote" and config.dialog.turn_model:
             from duplexd.dialog.turn_scorer import TurnScoredEngine  # (the local model scores the turns)
 
@@ -50,15 +52,16 @@ def load_engines(config: ServerConfig):
             dialog = DialogEngine.load(EngineConfig.from_config(config.dialog))
         tts = load_tts(config.tts)
     log.info(
-        "models loaded in %.1fs: VAD silero-vad (onnx), ASR %s (%s, beam %d), LLM %s, TTS %s",
+        "models loaded in %.1fs: VAD silero-vad (onnx), ASR %s (%s, beam %d), LLM %s, TTS %s, turn audio %s",
         time.perf_counter() - t0,
         asr.name,
         config.asr.compute_type,
         config.asr.beam_size,
         (config.dialog.model if config.dialog.backend == "local" else dialog.config.model) if dialog else "off",
         tts.name if tts else "off",
+        turn_audio.name if turn_audio else "off",
     )
-    engines = Engines(vad, asr, dialog, tts)
+    engines = Engines(vad, asr, dialog, tts, turn_audio)
     warm_up(engines)
     return engines
 
@@ -80,6 +83,8 @@ def warm_up(engines) -> None:
         engines.dialog.close(sid)
     if engines.tts is not None:
         engines.tts.synthesize("Hello.")
+    if engines.turn_audio is not None:
+        engines.turn_audio.probability(np.zeros(16_000, np.float32))
     log.info("engines warmed up in %.1fs", time.perf_counter() - t0)
 
 
@@ -148,11 +153,14 @@ async def _until_stopped(stop: asyncio.Event, fn, *args):
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from duplexd.asr.engine import resolve_asr_model
+    from duplexd.asr.turn_audio import resolve_turn_audio
 
     try:
         overrides = {"transport": {"host": args.host, "port": args.port}, "dialog": {"enabled": args.dialog}}
         config = load_config(args.config, overrides=overrides)
         resolve_asr_model(config.asr.model)  # a wrong path is a config error, before any model loads
+        if config.dialog.enabled:
+            resolve_turn_audio(config.turn.audio_model)
     except (OSError, ValueError) as exc:
         log.error("bad configuration: %s", exc)
         return 2

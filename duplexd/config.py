@@ -318,6 +318,12 @@ class TurnConfig:
     resume_timeout_ms: int = 2500
     """... or once this long has passed since the pause without a word of theirs at all (sound the
     recognizer makes nothing of: noise that goes on)."""
+    audio_model: str = "auto"
+    """How the user stopped talking, from the audio (`asr.turn_audio`: Smart Turn v3): a pause whose audio
+    sounds mid-phrase (P(turn over) below `audio_incomplete`) waits `max_silence_ms`, whatever the LLM makes
+    of the text. `smart-turn` (needs `pip install 'duplexd[smart-turn]'`), `off`, or `auto`: smart-turn
+    when that package is installed. About 50 ms of one core per pause."""
+    audio_incomplete: float = 0.5
     echo_cancellation: str = "off"
     """The reply's echo in the microphone (WebRTC AEC3 against the reply audio sent, placed by the client's
     playback; sessions with reply audio, and only once the microphone is heard to follow the loudspeaker).
@@ -350,6 +356,13 @@ class TurnConfig:
         )
         _require(0.0 < self.echo_similarity <= 1.0, "turn.echo_similarity", self.echo_similarity, "in (0, 1]")
         _require(self.barge_in_partial_words >= 1, "turn.barge_in_partial_words", self.barge_in_partial_words, ">= 1")
+        _require(
+            self.audio_model in ("auto", "smart-turn", "off"),
+            "turn.audio_model",
+            self.audio_model,
+            "auto, smart-turn or off",
+        )
+        _require(0.0 < self.audio_incomplete < 1.0, "turn.audio_incomplete", self.audio_incomplete, "in (0, 1)")
         _require(self.pause_on_speech_ms >= 0, "turn.pause_on_speech_ms", self.pause_on_speech_ms, ">= 0")
         _require(self.resume_silence_ms >= 0, "turn.resume_silence_ms", self.resume_silence_ms, ">= 0")
         _require(

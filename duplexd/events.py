@@ -78,6 +78,7 @@ class TurnEnded:
     eos_s: float
     silence_ms: float
     p_end: float | None
+    p_audio: float | None = None  # how finished the speech sounded (the acoustic end-of-turn model)
 
 
 @dataclass(frozen=True, slots=True)

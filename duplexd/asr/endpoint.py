@@ -4,8 +4,11 @@ The dialog LLM has already ingested the committed words, so its probability that
 the user's turn is a free semantic completeness score: a finished question ends the turn after a short
 silence, a sentence cut mid-phrase ("I want to go to the") waits long enough for the user to go on.
 
-    endpointer.silence_needed_ms(p_end)                    # how long to wait for this text
-    endpointer.turn_over(silence_ms, text_final, p_end)    # decide, given what is known now
+    endpointer.silence_needed_ms(p_end, text, p_audio)            # how long to wait for this turn
+    endpointer.turn_over(silence_ms, text_final, p_end, p_audio)  # decide, given what is known now
+
+`p_audio` is the acoustic side (`asr.turn_audio`): how the speech before the pause sounded. Said
+mid-phrase (below `turn.audio_incomplete`), the turn waits `max_silence_ms` whatever the text says.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ _TRAILING = ("...", "…", ",", "-", "—")
 class Endpointer:
     config: TurnConfig
 
-    def silence_needed_ms(self, p_end: float | None, text: str = "") -> float:
-        """Silence after the last speech that ends a turn whose text has P(end of turn) = `p_end`."""
+    def silence_needed_ms(self, p_end: float | None, text: str = "", p_audio: float | None = None) -> float:
+        """Silence after the last speech that ends a turn whose text has P(end of turn) = `p_end`, and whose
+        audio sounds finished with probability `p_audio` (None: not known)."""
         c = self.config
+        if p_audio is not None and p_audio < c.audio_incomplete:
+            return float(c.max_silence_ms)  # said mid-phrase: punctuation or not, they are not done
         if p_end is None or text.rstrip().endswith(_TRAILING):
             return float(c.max_silence_ms)
         if p_end >= c.p_complete:
@@ -36,9 +42,11 @@ class Endpointer:
         done = (math.log(p_end) - math.log(c.p_incomplete)) / (math.log(c.p_complete) - math.log(c.p_incomplete))
         return c.max_silence_ms - done * (c.max_silence_ms - c.min_silence_ms)
 
-    def turn_over(self, *, silence_ms: float, text_final: bool, text: str, p_end: float | None) -> bool:
+    def turn_over(
+        self, *, silence_ms: float, text_final: bool, text: str, p_end: float | None, p_audio: float | None = None
+    ) -> bool:
         """True once the user has said something, the recognizer has settled it, and the silence since the
         last speech is long enough for how complete it sounds."""
         if not text.strip() or not text_final:
             return False
-        return silence_ms >= self.silence_needed_ms(p_end, text)
+        return silence_ms >= self.silence_needed_ms(p_end, text, p_audio)

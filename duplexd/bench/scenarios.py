@@ -2,8 +2,9 @@
 mid-sentence, talking over the reply, a backchannel during it, the reply's own echo in the microphone.
 
 Composition only: concatenation, inserted silence, a gain, and speech injected at a chosen moment of the
-reply (`converse_pcm(inject=...)`); never synthesized voices. The one synthesized sound is `noises()`: a
-cough-like burst and a clatter, no speech in them (the set has no recording of either). Audio is int16 mono at RATE. The basics
+reply (`converse_pcm(inject=...)`); never synthesized voices. The synthesized sounds are `noises()`: a
+cough-like burst, a clatter, a throat clearing, no words in them (the set has no recording of them).
+Audio is int16 mono at RATE. The basics
 (`RATE`, `load`, `silence`, `speech_end_s`) live in `clients.clips` and are re-exported here, so that a
 scenario reads in one vocabulary: `sc.load(...)`, `sc.silence(0.5)`.
 """

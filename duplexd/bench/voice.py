@@ -17,15 +17,16 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
   interruption is a false barge-in. The echo canceller's ERLE on the same rooms is measured offline.
 - talk-over: another clip said as soon as the reply's audio starts. From the start of its speech (Silero
   VAD offline) to the reply's audio stopping at the client (`reply.paused`, or `reply.interrupted` if no
-  pause came first) is the barge-in stop time; to `reply.interrupted`, the confirmation (a reply that ends
-  before the words are recognized is not interrupted, and counts against the barge-in rate). talk_over_echo: the same over the reply's own
-  echo (-6 dB, through a room): the echo canceller must not take the user out with the echo.
+  pause came first) is the barge-in stop time; to `reply.interrupted`, the confirmation (a reply that
+  ends before the words are recognized is not interrupted, and counts against the barge-in rate).
+  talk_over_echo: the same over the reply's own echo (-6 dB, through a room): the echo canceller must
+  not take the user out with the echo.
 
 Replies paused by sound over them (backchannel, noise, echo) that then played on count towards
 `resumed_after_false_interruption_rate`.
 
 The server runs with the turn-taking features on (`FEATURES_ON`: `turn.echo_cancellation = "gate"`, the
-reply paused on speech);
+reply paused on speech, the acoustic end-of-turn model);
 `--baseline` runs every scenario again with them off (`BASELINE_OFF`), under `off`, in the same run.
 """
 
@@ -55,8 +56,8 @@ PAUSES_S = (0.4, 0.6, 0.8, 1.0)  # mid-sentence pauses (--quick: the 0.6 s one o
 SCENARIOS = ("question", "pause", "backchannel", "noise", "echo", "talk_over", "talk_over_echo")
 ECHO_GAINS = (0.5, 1.0)  # -6 dB and 0 dB against the reply
 # The turn-taking features measured (the `on` side), and what `--baseline` runs instead (`off`).
-FEATURES_ON = {"turn.echo_cancellation": "gate", "turn.pause_on_speech_ms": "128"}
-BASELINE_OFF = {"turn.echo_cancellation": "off", "turn.pause_on_speech_ms": "0"}
+FEATURES_ON = {"turn.echo_cancellation": "gate", "turn.pause_on_speech_ms": "128", "turn.audio_model": "smart-turn"}
+BASELINE_OFF = {"turn.echo_cancellation": "off", "turn.pause_on_speech_ms": "0", "turn.audio_model": "off"}
 FALSE_INTERRUPTIONS = ("backchannel", "noise", "echo")  # sound over the reply that must not stop it
 
 
@@ -252,9 +253,13 @@ def _side(
         "echo_false_barge_in_rate": _rate(runs, "echo"),
         "backchannel_false_barge_in_rate": _rate(runs, "backchannel"),
         "noise_false_barge_in_rate": _rate(runs, "noise"),
-        "false_pause_rate": len(false_paused) / n if (n := sum(r.scenario in FALSE_INTERRUPTIONS for r in runs)) else None,
+        "false_pause_rate": len(false_paused) / n
+        if (n := sum(r.scenario in FALSE_INTERRUPTIONS for r in runs))
+        else None,
         "resumed_after_false_interruption_rate": (
-            sum(bool(r.resumed) and not r.interrupted for r in false_paused) / len(false_paused) if false_paused else None
+            sum(bool(r.resumed) and not r.interrupted for r in false_paused) / len(false_paused)
+            if false_paused
+            else None
         ),
         "barge_in_stop_p50_s": _stats([r.stop_s for r in talk_over])["p50"],
         "barge_in_stop_p90_s": _stats([r.stop_s for r in talk_over])["p90"],
@@ -265,7 +270,10 @@ def _side(
         "echo_talk_over_barge_in_p50_s": barge_in_echo["p50"],
         "counts": {k: sum(r.scenario == k for r in runs) for k in SCENARIOS},
         "echo_cancellation": server.get("echo"),  # its cost on the server
-        "turn_scorer": server.get("turn_scorer"),  # (the remote backend's P(end of turn) from the local model)
+        "turn_scorer": server.get("turn_scorer"),
+        "turn_audio": server.get(
+            "turn_audio"
+        ),  # the acoustic end-of-turn model's cost  # (the remote backend's P(end of turn) from the local model)
         "max_rss_mb": server.get("max_rss_mb"),
         "llm_steps": server.get("llm_steps"),  # engine step p50 alone vs beside another model's work
         "threads": server.get("threads"),
@@ -352,7 +360,8 @@ def _side_table(result: dict[str, Any]) -> list[str]:
         f"backchannel {pct(result['backchannel_false_barge_in_rate'])} of {c['backchannel']}, "
         f"noise {pct(result.get('noise_false_barge_in_rate'))} of {c.get('noise', 0)}",
         f"replies paused by sound that was not the user talking (backchannel, noise, echo): "
-        f"{pct(result.get('false_pause_rate'))}; of those, resumed: {pct(result.get('resumed_after_false_interruption_rate'))}",
+        f"{pct(result.get('false_pause_rate'))}; "
+        f"of those, resumed: {pct(result.get('resumed_after_false_interruption_rate'))}",
         f"talk-over: reply audio stopped p50 {s(result.get('barge_in_stop_p50_s'))} "
         f"(p90 {s(result.get('barge_in_stop_p90_s'))}) after its speech began, interruption confirmed p50 "
         f"{s(result.get('barge_in_confirm_p50_s'))}",
@@ -361,6 +370,11 @@ def _side_table(result: dict[str, Any]) -> list[str]:
         f"talk-overs with the reply's echo (-6 dB) that interrupted: {pct(result['echo_talk_over_barge_in_rate'])} "
         f"of {c['talk_over_echo']}, p50 {s(result['echo_talk_over_barge_in_p50_s'])}",
     ]
+    if turn_audio := result.get("turn_audio"):
+        lines.append(
+            f"acoustic end of turn: {turn_audio['model']}, {turn_audio['pauses']} pauses scored, "
+            f"{turn_audio['ms_per_pause']} ms each"
+        )
     if echo := result.get("echo_cancellation"):
         lines.append(f"echo cancellation: {echo['ms_per_s']} ms per s of microphone audio ({echo['audio_s']} s)")
     steps, threads = result.get("llm_steps"), result.get("threads")

@@ -23,6 +23,7 @@ import numpy as np
 from duplexd.asr.echo import EchoCanceller
 from duplexd.asr.engine import ASR_SAMPLE_RATE, AsrEngine, Transcription
 from duplexd.asr.streaming import PassRequest
+from duplexd.asr.turn_audio import TurnAudioModel
 from duplexd.asr.vad import SileroVad, VadStream
 from duplexd.errors import Overloaded
 from duplexd.events import Event
@@ -39,6 +40,51 @@ class _VadJob:
     echo: EchoCanceller | None = None
     far: np.ndarray | None = None  # the echo canceller's reference for these chunks
     echo_only: np.ndarray | None = None  # per chunk: the reply's echo and nothing else (VAD: silence)
+
+
+class TurnAudioWorker:
+    """Scores the sessions' pauses with the acoustic end-of-turn model (`asr.turn_audio`), one at a time on
+    its own thread. Bounded: while `max_pending` wait, a pause goes unscored (None: the endpointer goes by
+    the text alone, as without the model)."""
+
+    def __init__(self, model: TurnAudioModel, max_pending: int) -> None:
+        self.model = model
+        self.max_pending = max_pending
+        self._pending = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-turn-audio")
+        self.calls = 0
+        self.busy_s = 0.0
+        self.skipped = 0
+
+    async def probability(self, audio: np.ndarray) -> float | None:
+        if self._pending >= self.max_pending:
+            self.skipped += 1
+            return None
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._score, audio)
+        finally:
+            self._pending -= 1
+
+    def _score(self, audio: np.ndarray) -> float:
+        t0 = time.perf_counter()
+        p = self.model.probability(audio)
+        self.busy_s += time.perf_counter() - t0
+        self.calls += 1
+        return p
+
+    def report(self) -> dict[str, object]:
+        """For /healthz: the model, pauses scored, its cost."""
+        return {
+            "model": self.model.name,
+            "pauses": self.calls,
+            "busy_s": round(self.busy_s, 3),
+            "ms_per_pause": round(1000 * self.busy_s / self.calls, 1) if self.calls else None,
+            "skipped": self.skipped,
+        }
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class VadWorker:

@@ -176,6 +176,7 @@ class Conversation:
         self._versions = 0
         self._p_end: float | None = None
         self._p_version = -1
+        self._p_audio: tuple[float, float] | None = None  # (where the speech ended, P(turn over) of its audio)
         self._held: dict[int, tuple[tuple[Word, ...], int, bool]] = {}  # during a reply: words, committed, final
         self._reply: _Reply | None = None
         self._echo_like_pauses = 0  # false pauses whose sound stopped with the playback (see ECHO_LIKE_PAUSE_MS)
@@ -292,6 +293,11 @@ class Conversation:
         if version == self._versions:
             self._p_end, self._p_version = p, version
 
+    def p_audio_end(self, p: float, voice_end_s: float) -> None:
+        """The acoustic end-of-turn model's P(turn over) for the speech that ended at `voice_end_s` (stream
+        seconds): it holds while no speech follows."""
+        self._p_audio = (voice_end_s, p)
+
     def tick(self, *, stream_s: float, silence_ms: float, asr_settled: bool, voiced_ms: float = 0.0) -> list[Output]:
         """Called as time passes (each VAD batch, each ASR pass). `silence_ms`: since the last voiced audio
         (0 while speaking); `asr_settled`: no recognizer pass due or running for this session; `voiced_ms`:
@@ -304,8 +310,12 @@ class Conversation:
         text = " ".join(self._turn_words)
         final = asr_settled and not self._open
         p = self._p_end if self._p_version == self._versions else None
-        if self._endpointer.turn_over(silence_ms=silence_ms, text_final=final, text=text, p_end=p):
-            out += self._end_turn(stream_s, silence_ms, p, reply=self.auto_respond)
+        voice_end_s = stream_s - silence_ms / 1000
+        p_audio = None
+        if self._p_audio is not None and abs(self._p_audio[0] - voice_end_s) < 1e-3:
+            p_audio = self._p_audio[1]
+        if self._endpointer.turn_over(silence_ms=silence_ms, text_final=final, text=text, p_end=p, p_audio=p_audio):
+            out += self._end_turn(stream_s, silence_ms, p, reply=self.auto_respond, p_audio=p_audio)
         elif (
             self._speculate
             and self.auto_respond
@@ -315,10 +325,12 @@ class Conversation:
             out.extend(self._drafts())
         return out
 
-    def _end_turn(self, stream_s: float, silence_ms: float, p: float | None, *, reply: bool) -> list[Output]:
+    def _end_turn(
+        self, stream_s: float, silence_ms: float, p: float | None, *, reply: bool, p_audio: float | None = None
+    ) -> list[Output]:
         self.turns += 1
         eos_s = stream_s - silence_ms / 1000
-        out: list[Output] = [TurnEnded(self.turns, " ".join(self._turn_words), eos_s, silence_ms, p)]
+        out: list[Output] = [TurnEnded(self.turns, " ".join(self._turn_words), eos_s, silence_ms, p, p_audio)]
         self._turn_words = []
         self._drafted.clear()
         self._unanswered = True

@@ -42,6 +42,7 @@ class SessionConfig:
     asr: AsrConfig = field(default_factory=AsrConfig)
     pause_ms: int = TurnConfig().pause_ms
     ack_interval_ms: int = TransportConfig().ack_interval_ms
+    keep_audio_s: float = 0.0  # the last this much audio is kept for the acoustic end-of-turn model (0: none)
 
 
 class Session:
@@ -68,6 +69,11 @@ class Session:
         self._resume_chunks = max(1, -(-config.vad.min_speech_ms // 32))
         self.lags_ms: deque[float] = deque(maxlen=4096)  # recent per-frame lags, for metrics
         self._unread_lags: deque[float] = deque(maxlen=4096)  # since the last `drain_lags`
+        # The last `keep_audio_s` of 16 kHz audio, a ring (bounded where it is made), and the audio up to the
+        # latest pause, for the acoustic end-of-turn model (`take_pause_audio`).
+        self._recent = np.zeros(int(config.keep_audio_s * VAD_SAMPLE_RATE), np.float32)
+        self._recent_end = 0  # 16 kHz samples ever written to the ring
+        self._pause_audio: tuple[float, np.ndarray] | None = None
         self._starved_since: float | None = None  # owed reply audio has been missing since then
         self.underrun_s = 0.0  # total time the user waited for owed reply audio
         self._worst_wait = 0.0  # the longest such wait that ended since the last `drain_reply_lag`
@@ -139,6 +145,7 @@ class Session:
         events: list[Event] = []
         for chunk, prob in zip(chunks, probs, strict=True):
             events.extend(self.transcriber.append(chunk))
+            self._keep(chunk)
             t0 = self._vad_done / VAD_SAMPLE_RATE
             self._vad_done += VAD_CHUNK_SAMPLES
             if prob >= self._config.vad.threshold:
@@ -169,6 +176,33 @@ class Session:
         if pause_ms and self._paused_at is None and self._hysteresis.speaking and self.silence_ms >= pause_ms:
             self._paused_at = self.heard_s
             self.transcriber.speech_stopped(self._paused_at, voiced_end_s=self._last_voice_s)
+            if len(self._recent) and self._last_voice_s is not None:
+                self._pause_audio = (self._last_voice_s, self._recent_audio())
+
+    def _keep(self, chunk: np.ndarray) -> None:
+        n = len(self._recent)
+        if not n:
+            return
+        at = self._recent_end % n
+        first = min(len(chunk), n - at)
+        self._recent[at : at + first] = chunk[:first]
+        self._recent[: len(chunk) - first] = chunk[first:]
+        self._recent_end += len(chunk)
+
+    def _recent_audio(self) -> np.ndarray:
+        """The kept audio, oldest first (a copy)."""
+        n = len(self._recent)
+        if self._recent_end <= n:
+            return self._recent[: self._recent_end].copy()
+        at = self._recent_end % n
+        return np.concatenate([self._recent[at:], self._recent[:at]])
+
+    def take_pause_audio(self) -> tuple[float, np.ndarray] | None:
+        """Once per pause (`pause_ms` of silence after speech): where the speech before it ended (stream
+        seconds), and the last `keep_audio_s` of audio up to now (through the pause). None: no new pause,
+        or no audio kept."""
+        pause, self._pause_audio = self._pause_audio, None
+        return pause
 
     def _ack(self, now: float) -> list[Event]:
         """Every frame whose chunks are now evaluated is done; ack once `ack_interval_ms` of audio is due."""

@@ -122,6 +122,7 @@ class Connection:
             int(OUTPUT_SAMPLE_RATE * t.max_queued_audio_s),  # (the voice loop holds pieces back: back-pressure)
         )
         self._frame_s = t.audio_frame_ms / 1000
+        self._scoring: set[asyncio.Task[None]] = set()  # pauses at the turn-audio worker (one per pause)
         self.audio_wake = asyncio.Event()  # reply audio to pace: `tick` has work before its next deadline
         self.tokens = ReplyTokens(t, server.datagram)
         self.sent_audio = SentAudio(int(t.resume_audio_s * OUTPUT_SAMPLE_RATE))
@@ -472,3 +473,24 @@ class Connection:
         self.emit(session.apply_vad(chunks, probs, time.monotonic()))  # (the VAD's answer arrives now)
         if session.wants_pass():
             self.server.asr.notify()
+        if (pause := session.take_pause_audio()) is not None and self.server.turn_audio is not None:
+            self._score_pause(session, *pause)
+
+    def _score_pause(self, session: Session, voice_end_s: float, audio: Any) -> None:
+        """How the user stopped talking (the acoustic end-of-turn model, on its worker): to the endpointer."""
+        worker = self.server.turn_audio
+        assert worker is not None
+
+        async def score() -> None:
+            try:
+                p = await worker.probability(audio)
+            except RuntimeError:  # (the server is shutting down: its worker is gone)
+                return
+            if p is not None and self.session is session and self.voice is not None:
+                now = time.monotonic()
+                self.voice.p_audio(p, voice_end_s, now)
+                self.codec.tick(now)
+
+        task = asyncio.get_running_loop().create_task(score())
+        self._scoring.add(task)  # (a reference until it is done: the loop keeps only weak ones)
+        task.add_done_callback(self._scoring.discard)

@@ -259,7 +259,7 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
             if previous is not None:
                 final["previous_text"] = " ".join(w.text for w in previous)
             return final
-        case ev.TurnEnded(turn=turn, text=text, eos_s=eos, silence_ms=silence, p_end=p):
+        case ev.TurnEnded(turn=turn, text=text, eos_s=eos, silence_ms=silence, p_end=p, p_audio=pa):
             return {
                 "type": ServerType.TURN_ENDED,
                 "turn": turn,
@@ -267,6 +267,7 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
                 "eos": round(eos, 3),
                 "silence_ms": round(silence, 1),
                 "p_end": None if p is None else round(p, 5),
+                "p_audio": None if pa is None else round(pa, 3),
             }
         case ev.ReplyStarted(reply=r):
             return {"type": ServerType.REPLY_STARTED, "reply": r}

@@ -25,13 +25,14 @@ from websockets.asyncio.server import ServerConnection
 
 from duplexd import __version__, logs
 from duplexd.asr.engine import AsrEngine
+from duplexd.asr.turn_audio import WINDOW_S, TurnAudioModel
 from duplexd.asr.vad import SileroVad
 from duplexd.config import ServerConfig
 from duplexd.errors import ErrorCode, ProtocolError
 from duplexd.scheduler.admission import Aimd, AimdConfig
 from duplexd.scheduler.dialog import DialogWorker, LlmEngine
 from duplexd.scheduler.tts import TtsWorker
-from duplexd.scheduler.workers import AsrScheduler, VadWorker
+from duplexd.scheduler.workers import AsrScheduler, TurnAudioWorker, VadWorker
 from duplexd.streaming.session import Session, SessionConfig
 from duplexd.transport import protocol
 from duplexd.transport.connection import Connection
@@ -61,6 +62,7 @@ class Engines:
     asr: AsrEngine
     dialog: LlmEngine | None = None  # DialogEngine, or RemoteDialogEngine (`[dialog] backend`)
     tts: TtsEngine | None = None
+    turn_audio: TurnAudioModel | None = None  # how the user stopped talking (`turn.audio_model`)
 
 
 class Server:
@@ -68,7 +70,13 @@ class Server:
         self.config = config
         t = config.transport
         self.limits = Limits(t.min_sample_rate, t.max_sample_rate, t.max_frame_ms, t.max_message_bytes)
-        self.session_config = SessionConfig(config.vad, config.asr, config.turn.pause_ms, t.ack_interval_ms)
+        self.session_config = SessionConfig(
+            config.vad,
+            config.asr,
+            config.turn.pause_ms,
+            t.ack_interval_ms,
+            keep_audio_s=WINDOW_S if engines.turn_audio and engines.dialog else 0.0,
+        )
         self.vad = VadWorker(engines.vad, max_pending=4 * t.max_sessions)
         # LLM steps and recognizer passes take turns on the cores (`dialog.take_turns_with_asr`)
         self.cores = threading.Lock() if config.dialog.take_turns_with_asr else None
@@ -90,6 +98,11 @@ class Server:
             else None
         )
         self.tts = TtsWorker(engines.tts) if engines.dialog and engines.tts else None
+        self.turn_audio = (
+            TurnAudioWorker(engines.turn_audio, max_pending=t.max_sessions)
+            if engines.turn_audio and self.dialog
+            else None
+        )
         self.sessions: dict[str, Session] = {}
         self.handles: dict[str, Connection] = {}  # every session's handle, attached or awaiting a resume
         self.datagram: DatagramEndpoint | None = None
@@ -191,6 +204,8 @@ class Server:
                 self.datagram.close()
             self.vad.close()
             self.asr.close()
+            if self.turn_audio is not None:
+                self.turn_audio.close()
             if self.dialog is not None and self.tts is not None:
                 self.dialog.close_worker()
                 self.tts.close()
@@ -273,6 +288,7 @@ class Server:
             "llm_engine": None if self.dialog is None else self.dialog.engine.tuning,
             # (the remote backend with `dialog.turn_model`: the local model scoring P(end of turn))
             "turn_scorer": self._turn_scorer(),
+            "turn_audio": None if self.turn_audio is None else self.turn_audio.report(),
             "llm_steps": None if self.dialog is None else self.dialog.step_times(),
             "threads": self.threads(),
             "speculation": None if self.dialog is None else self.dialog.stats.as_dict(),

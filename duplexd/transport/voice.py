@@ -242,6 +242,10 @@ class VoiceLoop:
         self.conversation.p_end_of_turn(p, version)
         self.tick(now)
 
+    def p_audio(self, p: float, voice_end_s: float, now: float) -> None:
+        self.conversation.p_audio_end(p, voice_end_s)
+        self.tick(now)
+
     def draft(self, texts: list[str], now: float) -> None:
         self.dispatch(self.conversation.draft_text(texts), now)
 

@@ -45,3 +45,13 @@ def test_config_validation() -> None:
         TurnConfig(min_silence_ms=500, max_silence_ms=400)
     with pytest.raises(ValueError, match="p_complete"):
         TurnConfig(p_complete=0.001, p_incomplete=0.01)
+
+
+def test_speech_that_sounds_mid_phrase_waits_the_longest_whatever_the_text() -> None:
+    """The acoustic model's P(turn over) below `audio_incomplete`: the turn waits max_silence_ms even for
+    text the LLM finds complete (Whisper punctuated a mid-sentence pause); above it, the text decides."""
+    assert END.silence_needed_ms(0.6, "The birch canoe slid on the.", p_audio=0.05) == 1200
+    assert END.silence_needed_ms(0.6, "Can you tell me a joke?", p_audio=0.9) == 250
+    assert END.silence_needed_ms(1e-6, "I want to go to the", p_audio=0.9) == 1200
+    ok = {"silence_ms": 900.0, "text_final": True, "text": "The birch canoe slid on the.", "p_end": 0.5}
+    assert END.turn_over(**ok) and not END.turn_over(**ok, p_audio=0.1)

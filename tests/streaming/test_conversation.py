@@ -327,3 +327,16 @@ def test_starved_while_owed_reply_audio_does_not_exist() -> None:
     out = conv.reply_text(reply, ["Paris is the capital of France, and it is lovely."], done=True)
     voice_all(conv, reply, rest + of(out, cmd.Synthesize))
     assert not conv.starved  # the reply's audio is complete
+
+
+def test_speech_that_sounds_mid_phrase_holds_the_turn_until_max_silence() -> None:
+    conv = new()  # min_silence_ms 250, max 1200
+    say(conv, 1, "The birch canoe slid on the.", p_end=0.5)  # Whisper punctuated a mid-sentence pause
+    conv.p_audio_end(0.05, 2.0)  # the audio: said mid-phrase; the speech ended at 2.0 s
+    assert conv.tick(stream_s=2.9, silence_ms=900, asr_settled=True) == []
+    conv.p_audio_end(0.05, 1.0)  # (a score for other speech, ended elsewhere, does not hold this one)
+    assert of(conv.tick(stream_s=2.9, silence_ms=900, asr_settled=True), TurnEnded)
+    conv = new()
+    say(conv, 1, "The birch canoe slid on the.", p_end=0.5)
+    conv.p_audio_end(0.05, 2.0)
+    assert of(conv.tick(stream_s=3.2, silence_ms=1200, asr_settled=True), TurnEnded)

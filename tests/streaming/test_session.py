@@ -288,3 +288,28 @@ def test_reply_lag_is_the_current_wait_for_owed_audio_and_underrun_sums_the_wait
     session.note_reply_audio(False, 13.6)
     assert session.drain_reply_lag(14.0) == pytest.approx(0.6)
     assert session.drain_reply_lag(15.0) == 0.0
+
+
+def test_a_pause_hands_over_the_recent_audio_once_for_the_acoustic_end_of_turn_model() -> None:
+    session = Session("s", 16_000, SessionConfig(asr=AsrConfig(min_new_audio_s=5.0), keep_audio_s=1.0))
+    frames = 60  # 60 frames of 512 samples (1.92 s): more than the 1 s kept
+    for k in range(frames):
+        chunks = session.accept_frame(k, ramp(512 * k, 512).tobytes(), now=100.0 + k * C)
+        session.apply_vad(chunks, np.array([S if 10 <= k < 50 else Q]), now=100.0 + k * C)
+        if k < 50 + 6:  # the pause: 200 ms of silence is 7 chunks
+            assert session.take_pause_audio() is None, k
+    voice_end_s, audio = session.take_pause_audio() or (None, None)
+    assert voice_end_s == pytest.approx(50 * C)
+    assert len(audio) == 16_000  # the last second, oldest first, through the pause (k = 56)
+    expected = ramp(512 * 57 - 16_000, 16_000).astype(np.float32) / 32768.0
+    assert np.allclose(audio, expected, atol=1e-4)
+    assert session.take_pause_audio() is None  # once per pause
+    assert Session("s", 16_000, config()).take_pause_audio() is None  # nothing kept: nothing handed over
+
+
+def test_voiced_ms_counts_the_run_of_speech_so_far() -> None:
+    session = Session("s", 16_000, config())
+    drive_more(session, [S, S, S])
+    assert session.voiced_ms == pytest.approx(96)
+    drive_more(session, [Q])
+    assert session.voiced_ms == 0

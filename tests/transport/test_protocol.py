@@ -204,7 +204,7 @@ ENCODED = [
         },
     ),
     (
-        ev.TurnEnded(turn=2, text="What time is it?", eos_s=3.2104, silence_ms=412.04, p_end=0.123456),
+        ev.TurnEnded(turn=2, text="What time is it?", eos_s=3.2104, silence_ms=412.04, p_end=0.123456, p_audio=0.97123),
         {
             "type": "turn.ended",
             "turn": 2,
@@ -212,6 +212,7 @@ ENCODED = [
             "eos": 3.21,
             "silence_ms": 412.0,
             "p_end": 0.12346,
+            "p_audio": 0.971,
         },
     ),
     (ev.ReplyStarted(reply=2), {"type": "reply.started", "reply": 2}),
