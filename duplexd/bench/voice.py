@@ -77,6 +77,7 @@ class Run:
     barge_in_s: float | None = None  # talk-over: from the start of the talk-over to reply.interrupted
     stop_s: float | None = None  # talk-over: from its speech onset to the reply's audio stopping (client)
     confirm_s: float | None = None  # talk-over: from its speech onset to reply.interrupted
+    p_audio: float | None = None  # the first turn.ended's acoustic P(turn over) (None: not scored)
     paused: int = 0  # reply.paused events (speech over the reply stopped its audio)
     resumed: int = 0  # reply.resumed events (it played on: no words came of it)
     heard_over_reply: str = ""  # what the recognizer made of speech during the reply (last hypotheses)
@@ -116,6 +117,7 @@ def _measure(scenario: str, clip: Clip, result: ConversationResult, eos_s: float
         reply_text="".join(r.event["text"] for r in result.of_type("reply.delta")),
         reply_audio_s=round(sum(len(a.samples) for a in result.audio) / 24_000, 3),
         heard_over_reply=" | ".join(over.values()),
+        p_audio=ended[0].event.get("p_audio") if (ended := result.of_type("turn.ended")) else None,
         paused=len(result.of_type("reply.paused")),
         resumed=len(result.of_type("reply.resumed")),
     )
