@@ -324,6 +324,7 @@ class TurnConfig:
     of the text. `smart-turn` (needs `pip install 'duplexd[smart-turn]'`), `off`, or `auto`: smart-turn
     when that package is installed. About 50 ms of one core per pause."""
     audio_incomplete: float = 0.5
+    """Below this P(turn over) from the audio, the speech stopped mid-phrase."""
     echo_cancellation: str = "off"
     """The reply's echo in the microphone (WebRTC AEC3 against the reply audio sent, placed by the client's
     playback; sessions with reply audio, and only once the microphone is heard to follow the loudspeaker).

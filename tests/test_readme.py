@@ -40,7 +40,7 @@ def test_the_install_section_says_what_a_cpu_only_user_does() -> None:
     first = re.search(r"```bash\n(.*?)```", text, flags=re.S)
     assert first is not None
     install, test = first.group(1).strip().splitlines()
-    assert install.startswith("python3 -m pip install -e . && duplexd serve")
+    assert install.startswith("python3 -m pip install -e '.[smart-turn]' && duplexd serve")
     assert "pip install -e '.[test]'" in test and "pytest" in test
     assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text  # the CPU build
     assert "CUDA build" in text
