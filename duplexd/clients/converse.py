@@ -161,6 +161,7 @@ async def converse_pcm(
                     await client.ack(got.event["token_seq"])  # (over a live socket, tokens arrive in order)
                 if kind == "reply.started":
                     current[0] = got.event["reply"]
+                    player.resume(now)  # (a new reply is never paused)
                 elif kind == "reply.paused":
                     player.pause(now)
                 elif kind == "reply.resumed":

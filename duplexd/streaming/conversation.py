@@ -179,6 +179,7 @@ class Conversation:
         self._p_audio: tuple[float, float] | None = None  # (where the speech ended, P(turn over) of its audio)
         self._held: dict[int, tuple[tuple[Word, ...], int, bool]] = {}  # during a reply: words, committed, final
         self._reply: _Reply | None = None
+        self._stream_s = 0.0  # the latest tick's stream time
         self._echo_like_pauses = 0  # false pauses whose sound stopped with the playback (see ECHO_LIKE_PAUSE_MS)
         self._out_samples = 0  # output stream: samples handed to the shell so far
         self._played_samples = 0
@@ -303,6 +304,7 @@ class Conversation:
         (0 while speaking); `asr_settled`: no recognizer pass due or running for this session; `voiced_ms`:
         how long VAD has heard speech without a break (0 in silence)."""
         out: list[Output] = []
+        self._stream_s = stream_s
         if self._reply is not None:
             return self._pause_or_resume(self._reply, stream_s, silence_ms, voiced_ms)
         if not self.auto_turns:
@@ -466,7 +468,11 @@ class Conversation:
             return []
         if self._played_samples < r.start_sample + r.samples:
             return []
-        return self._leave_reply()
+        out: list[Output] = []
+        if r.paused_at_s is not None:  # (the client had played it all when the pause reached it)
+            out = [ResumeAudio(r.number), ReplyResumed(r.number, 1000 * max(0.0, self._stream_s - r.paused_at_s))]
+            r.paused_at_s = None
+        return out + self._leave_reply()
 
     def _leave_reply(self) -> list[Output]:
         """The floor returns to the user; words they said meanwhile that were not only backchannels or the

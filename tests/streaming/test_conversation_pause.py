@@ -141,3 +141,14 @@ def test_a_user_who_keeps_talking_is_not_echo_like() -> None:
     assert of(tick(conv, 11.6, silence_ms=400), ReplyResumed)  # talked 1.2 s past the pause
     tick(conv, 12.0, silence_ms=800)
     assert of(tick(conv, 12.2, voiced_ms=128), ReplyPaused)  # it may pause again
+
+
+def test_a_reply_that_had_played_out_when_it_paused_resumes_as_it_ends() -> None:
+    """The pause reached a client that had already played the whole reply: its report ends the reply, and
+    the pause with it (the playout and the client must not stay paused for the next reply)."""
+    conv, reply = playing()
+    conv.audio_sent(reply)
+    assert of(tick(conv, 10.0, voiced_ms=128), cmd.PauseAudio)
+    out = conv.played(3 * SR)
+    assert of(out, cmd.ResumeAudio) == [cmd.ResumeAudio(reply)] and of(out, ReplyResumed)
+    assert not conv.replying

@@ -44,6 +44,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
       this.push(msg.pcm);
     } else if (msg.type === "begin") {
       this.ended = false;
+      this.held = false; // a new reply is never paused
     } else if (msg.type === "end") {
       this.ended = true;
       if (this.count === 0 && !this.playing) this.post("drained");
