@@ -242,7 +242,9 @@ class DialogConfig:
     turn_model: str = ""
     """With `backend = "remote"`: a local model (any `model` value, e.g. `smollm2`) that scores P(end of turn)
     on the transcript (the remote server returns text only), with a short KV window per conversation.
-    Empty (the default): none, and every turn waits `turn.max_silence_ms`. Not the default: measured on 2
+    Empty (the default): none; the acoustic end-of-turn model (`turn.audio_model`) is then the turn signal
+    (speech that sounds finished ends the turn after `turn.min_silence_ms`), and without it every turn
+    waits `turn.max_silence_ms`. Not the default: measured on 2
     cores beside the recognizer, it made turns end later (p50 2.18 vs 1.70 s) for +1.07 GB of memory
     (docs/benchmarks.md, "Turn-taking")."""
     remote_history_chars: int = 4000

@@ -8,7 +8,10 @@ silence, a sentence cut mid-phrase ("I want to go to the") waits long enough for
     endpointer.turn_over(silence_ms, text_final, p_end, p_audio)  # decide, given what is known now
 
 `p_audio` is the acoustic side (`asr.turn_audio`): how the speech before the pause sounded. Said
-mid-phrase (below `turn.audio_incomplete`), the turn waits `max_silence_ms` whatever the text says.
+mid-phrase (below `turn.audio_incomplete`), the turn waits `max_silence_ms` whatever the text says. Where
+no model scores the words (`text_scored` False: a remote LLM, which returns text only, without
+`dialog.turn_model`), the audio is the whole turn signal: speech that sounds finished ends the turn after
+`min_silence_ms`, as a complete sentence does with the local LLM.
 """
 
 from __future__ import annotations
@@ -27,14 +30,19 @@ _TRAILING = ("...", "…", ",", "-", "—")
 class Endpointer:
     config: TurnConfig
 
-    def silence_needed_ms(self, p_end: float | None, text: str = "", p_audio: float | None = None) -> float:
+    def silence_needed_ms(
+        self, p_end: float | None, text: str = "", p_audio: float | None = None, *, text_scored: bool = True
+    ) -> float:
         """Silence after the last speech that ends a turn whose text has P(end of turn) = `p_end`, and whose
-        audio sounds finished with probability `p_audio` (None: not known)."""
+        audio sounds finished with probability `p_audio` (None: not known). `text_scored` False: no P(end of
+        turn) will come for the text, the audio decides alone."""
         c = self.config
         if p_audio is not None and p_audio < c.audio_incomplete:
             return float(c.max_silence_ms)  # said mid-phrase: punctuation or not, they are not done
-        if p_end is None or text.rstrip().endswith(_TRAILING):
+        if text.rstrip().endswith(_TRAILING):
             return float(c.max_silence_ms)
+        if p_end is None:  # (with the text unscored, audio that sounds finished is the evidence there is)
+            return float(c.min_silence_ms if p_audio is not None and not text_scored else c.max_silence_ms)
         if p_end >= c.p_complete:
             return float(c.min_silence_ms)
         if p_end <= c.p_incomplete:
@@ -43,10 +51,17 @@ class Endpointer:
         return c.max_silence_ms - done * (c.max_silence_ms - c.min_silence_ms)
 
     def turn_over(
-        self, *, silence_ms: float, text_final: bool, text: str, p_end: float | None, p_audio: float | None = None
+        self,
+        *,
+        silence_ms: float,
+        text_final: bool,
+        text: str,
+        p_end: float | None,
+        p_audio: float | None = None,
+        text_scored: bool = True,
     ) -> bool:
         """True once the user has said something, the recognizer has settled it, and the silence since the
         last speech is long enough for how complete it sounds."""
         if not text.strip() or not text_final:
             return False
-        return silence_ms >= self.silence_needed_ms(p_end, text, p_audio)
+        return silence_ms >= self.silence_needed_ms(p_end, text, p_audio, text_scored=text_scored)

@@ -13,8 +13,9 @@ What it cannot do, by construction:
 - No bounded KV window in this process: the remote server owns its cache and context length. What this
   side keeps is bounded instead: at most `remote_history_chars` of earlier turns (the oldest go first) and
   `_MAX_TURN_CHARS` of the user's open turn are sent.
-- No P(end of turn): `p_end_of_turn` is always None (`reports_p_end` False). The endpointer then waits
-  `turn.max_silence_ms` before ending a turn (not less when the words sound finished).
+- No P(end of turn): `p_end_of_turn` is always None (`reports_p_end` False). The endpointer then reads
+  the acoustic end-of-turn model alone (`turn.audio_model`): speech that sounds finished ends the turn
+  after `turn.min_silence_ms`; otherwise (or without that model) it waits `turn.max_silence_ms`.
 - No lossless token-level drafts; speculative listening becomes an early request instead: the
   conversation drafts at the user's pause without waiting for a P(end of turn) (`reports_p_end`), a draft
   (`fork` + `start_reply`) sends its request at once, `adopt` at the end of the turn makes that stream the

@@ -150,7 +150,8 @@ class Conversation:
     ) -> None:
         """`llm_p_end`: the LLM reports P(end of turn) for the user's words (the remote backend does not);
         drafts then wait for it, as the sign that the LLM has every committed word. Without it they go at
-        the pause (the worker applies the words before the draft, in order)."""
+        the pause (the worker applies the words before the draft, in order), and the acoustic end-of-turn
+        model's P(turn over), where there is one, is the endpointer's whole turn signal."""
         self.auto_turns = auto_turns  # False: a turn ends only by `commit`/`respond` (the client decides)
         self.auto_respond = auto_respond  # False: a turn that ends waits for `respond` to be answered
         self.barge_in = True  # False: the user's words never stop a reply (they wait for the next turn)
@@ -316,7 +317,9 @@ class Conversation:
         p_audio = None
         if self._p_audio is not None and abs(self._p_audio[0] - voice_end_s) < 1e-3:
             p_audio = self._p_audio[1]
-        if self._endpointer.turn_over(silence_ms=silence_ms, text_final=final, text=text, p_end=p, p_audio=p_audio):
+        if self._endpointer.turn_over(
+            silence_ms=silence_ms, text_final=final, text=text, p_end=p, p_audio=p_audio, text_scored=self._llm_p_end
+        ):
             out += self._end_turn(stream_s, silence_ms, p, reply=self.auto_respond, p_audio=p_audio)
         elif (
             self._speculate

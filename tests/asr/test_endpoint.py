@@ -55,3 +55,17 @@ def test_speech_that_sounds_mid_phrase_waits_the_longest_whatever_the_text() -> 
     assert END.silence_needed_ms(1e-6, "I want to go to the", p_audio=0.9) == 1200
     ok = {"silence_ms": 900.0, "text_final": True, "text": "The birch canoe slid on the.", "p_end": 0.5}
     assert END.turn_over(**ok) and not END.turn_over(**ok, p_audio=0.1)
+
+
+def test_with_the_text_unscored_audio_that_sounds_finished_ends_the_turn_as_a_complete_sentence_does() -> None:
+    """A remote LLM gives no P(end of turn): the acoustic model's answer is the turn signal. Finished-sounding
+    speech waits min_silence_ms; mid-phrase, trailing text, or no acoustic answer yet waits max_silence_ms."""
+    unscored = {"text_scored": False}
+    assert END.silence_needed_ms(None, "Can you tell me a joke?", p_audio=0.9, **unscored) == 250
+    assert END.silence_needed_ms(None, "Can you tell me a joke?", p_audio=0.2, **unscored) == 1200
+    assert END.silence_needed_ms(None, "So I went to the...", p_audio=0.9, **unscored) == 1200
+    assert END.silence_needed_ms(None, "Can you tell me a joke?", **unscored) == 1200
+    # a P(end of turn) still to come (the local LLM, busy): the audio alone does not end the turn
+    assert END.silence_needed_ms(None, "Can you tell me a joke?", p_audio=0.9) == 1200
+    ok = {"silence_ms": 300.0, "text_final": True, "text": "Can you tell me a joke?", "p_end": None, "p_audio": 0.9}
+    assert END.turn_over(**ok, text_scored=False) and not END.turn_over(**ok)

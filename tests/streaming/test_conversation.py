@@ -340,3 +340,20 @@ def test_speech_that_sounds_mid_phrase_holds_the_turn_until_max_silence() -> Non
     say(conv, 1, "The birch canoe slid on the.", p_end=0.5)
     conv.p_audio_end(0.05, 2.0)
     assert of(conv.tick(stream_s=3.2, silence_ms=1200, asr_settled=True), TurnEnded)
+
+
+def test_without_an_llm_p_end_the_audio_ends_the_turn() -> None:
+    """The remote backend reports no P(end of turn): the acoustic model's answer is the turn signal. Speech
+    that sounds finished ends the turn after `min_silence_ms`, as a complete sentence does with the local
+    LLM; speech that sounds mid-phrase, or with no answer yet, waits `max_silence_ms`."""
+    turn = TurnConfig(min_silence_ms=500, max_silence_ms=1200)
+    for p_audio, ends_at_ms in ((0.9, 500), (0.1, 1200), (None, 1200)):
+        conv = cv.Conversation(turn, TtsConfig(), llm_p_end=False)
+        w = words("what is the capital of France?")
+        of(conv.observe([TranscriptUpdated(1, w, 3), UtteranceFinalized(1, w)]), cmd.AppendUserText)
+        if p_audio is not None:
+            conv.p_audio_end(p_audio, 2.0)  # the speech ended at 2.0 s
+        before = conv.tick(stream_s=2.0 + (ends_at_ms - 50) / 1000, silence_ms=ends_at_ms - 50, asr_settled=True)
+        assert not of(before, TurnEnded), p_audio
+        (ended,) = of(conv.tick(stream_s=2.0 + ends_at_ms / 1000, silence_ms=ends_at_ms, asr_settled=True), TurnEnded)
+        assert ended.p_audio == p_audio and ended.p_end is None
