@@ -29,11 +29,14 @@ def child_process(
     env: dict[str, str] | None = None,
     timeout_s: float = 120.0,
     poll_s: float = 0.2,
+    niceness: int = 0,
 ) -> Iterator[subprocess.Popen[str]]:
     """Start `cmd`, wait until `up()` stops raising OSError (the service answers), stop it on exit.
-    Its stderr goes to a file (a pipe nobody reads would stall a chatty server), quoted if it dies."""
+    Its stderr goes to a file (a pipe nobody reads would stall a chatty server), quoted if it dies.
+    `niceness` > 0: it runs at that lower CPU priority (it takes what the other processes leave)."""
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
+    lower = (lambda: os.nice(niceness)) if niceness else None  # (before exec: every thread it starts inherits it)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env, preexec_fn=lower)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -75,9 +78,12 @@ def server_process(
 
 
 @contextlib.contextmanager
-def serve_llm_process(*args: str, api_key: str = "", env: dict[str, str] | None = None) -> Iterator[int]:
+def serve_llm_process(
+    *args: str, api_key: str = "", env: dict[str, str] | None = None, niceness: int = 0
+) -> Iterator[int]:
     """A `duplexd serve-llm` child (more arguments: `--max-tokens 40`, ...) on a free port, which it
-    yields once `/v1/models` answers; its API is at `http://127.0.0.1:PORT/v1`."""
+    yields once `/v1/models` answers; its API is at `http://127.0.0.1:PORT/v1`. `niceness` 19: it yields
+    the CPU to the voice server beside it, as a model on its own machine would take none of it."""
     port = free_port()
     cmd = [sys.executable, "-m", "duplexd", "serve-llm", "--port", str(port), *args]
     headers = {}
@@ -90,5 +96,5 @@ def serve_llm_process(*args: str, api_key: str = "", env: dict[str, str] | None 
         with urllib.request.urlopen(request, timeout=5):
             pass
 
-    with child_process(cmd, name="duplexd serve-llm", up=up, env=env):
+    with child_process(cmd, name="duplexd serve-llm", up=up, env=env, niceness=niceness):
         yield port

@@ -28,6 +28,9 @@ Replies paused by sound over them (backchannel, noise, echo) that then played on
 The server runs with the turn-taking features on (`FEATURES_ON`: `turn.echo_cancellation = "gate"`, the
 reply paused on speech, the acoustic end-of-turn model);
 `--baseline` runs every scenario again with them off (`BASELINE_OFF`), under `off`, in the same run.
+`--remote-llm` runs the question and pause scenarios again with replies from a `duplexd serve-llm` child,
+once per turn signal (`REMOTE_SIDES`), that child at the lowest CPU priority (a remote model takes none
+of this machine's CPU), and once beside it at equal priority (`remote_colocated`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,19 @@ ECHO_GAINS = (0.5, 1.0)  # -6 dB and 0 dB against the reply
 # The turn-taking features measured (the `on` side), and what `--baseline` runs instead (`off`).
 FEATURES_ON = {"turn.echo_cancellation": "gate", "turn.pause_on_speech_ms": "128", "turn.audio_model": "smart-turn"}
 BASELINE_OFF = {"turn.echo_cancellation": "off", "turn.pause_on_speech_ms": "0", "turn.audio_model": "off"}
+# `--remote-llm`: the turn signal a remote backend's endpointer gets. `remote` is the default (the acoustic
+# model alone), `remote_turn_model` adds the local LLM scoring the text, `remote_no_turn_signal` has neither.
+REMOTE_SIDES = {
+    "remote": {"dialog.turn_model": ""},
+    "remote_turn_model": {"dialog.turn_model": "smollm2"},
+    "remote_no_turn_signal": {"dialog.turn_model": "", "turn.audio_model": "off"},
+}
+# The `serve-llm` child runs at the lowest CPU priority for those sides: a remote model takes none of the
+# voice server's CPU, and on 2 cores one at equal priority (each early request decodes a whole reply)
+# slowed the recognizer's final pass ~2x. `remote_colocated` is the default again, beside one at equal
+# priority: what a user who runs both on one small machine gets.
+REMOTE_NICENESS = 19
+COLOCATED_SIDES = {"remote_colocated": {"dialog.turn_model": ""}}
 FALSE_INTERRUPTIONS = ("backchannel", "noise", "echo")  # sound over the reply that must not stop it
 
 
@@ -318,12 +334,12 @@ def run(
     remote_sides: dict[str, Any] = {}
     if remote:  # the turn scenarios again, replies from a `duplexd serve-llm` (the same model, greedy)
         turns = tuple(x for x in scenarios if x in ("question", "pause")) or ("question",)
-        with serve_llm_process() as llm_port:
-            backend = {"dialog.backend": "remote", "dialog.remote_url": f"http://127.0.0.1:{llm_port}/v1"}
-            remote_sides["remote"] = _side(data, config, quick, turns, backend)
-            remote_sides["remote_no_turn_model"] = _side(
-                data, config, quick, turns, {**backend, "dialog.turn_model": ""}
-            )
+        for niceness, sides in ((REMOTE_NICENESS, REMOTE_SIDES), (0, COLOCATED_SIDES)):
+            with serve_llm_process(niceness=niceness) as llm_port:
+                backend = {"dialog.backend": "remote", "dialog.remote_url": f"http://127.0.0.1:{llm_port}/v1"}
+                for side, settings in sides.items():
+                    remote_sides[side] = _side(data, config, quick, turns, {**FEATURES_ON, **backend, **settings})
+                    remote_sides[side]["serve_llm_niceness"] = niceness
     local_end, remote_end = on["eos_to_turn_end_p50_s"], remote_sides.get("remote", {}).get("eos_to_turn_end_p50_s")
     return {
         "benchmark": "voice",
@@ -396,10 +412,11 @@ def table(result: dict[str, Any]) -> str:
     if result.get("off"):
         lines += ["", f"**off** ({', '.join(f'{k} = {v}' for k, v in result['off']['settings'].items())}):", ""]
         lines += _side_table(result["off"])
-    for side in ("remote", "remote_no_turn_model"):
+    for side in (*REMOTE_SIDES, *COLOCATED_SIDES):
         if r := result.get(side):
             settings = ", ".join(f"{k} = {v}" for k, v in r["settings"].items() if k != "dialog.remote_url")
-            lines += ["", f"**{side}** ({settings}):", ""] + _side_table(r)
+            niceness = f"; serve-llm at nice {r['serve_llm_niceness']}" if r.get("serve_llm_niceness") else ""
+            lines += ["", f"**{side}** ({settings}{niceness}):", ""] + _side_table(r)
             if scorer := r.get("turn_scorer"):
                 lines.append(
                     f"turn scorer: {scorer['model']}, {scorer['steps']} steps in {scorer['busy_s']} s, "
