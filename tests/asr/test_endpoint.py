@@ -69,3 +69,17 @@ def test_with_the_text_unscored_audio_that_sounds_finished_ends_the_turn_as_a_co
     assert END.silence_needed_ms(None, "Can you tell me a joke?", p_audio=0.9) == 1200
     ok = {"silence_ms": 300.0, "text_final": True, "text": "Can you tell me a joke?", "p_end": None, "p_audio": 0.9}
     assert END.turn_over(**ok, text_scored=False) and not END.turn_over(**ok)
+
+
+def test_speech_that_sounds_only_half_finished_lengthens_the_wait_and_the_longer_wait_wins() -> None:
+    """Between `audio_incomplete` (0.5) and `audio_complete` (0.9) the audio's wait falls linearly from
+    max_silence_ms to min_silence_ms; with the text's wait known, the turn waits the longer of the two."""
+    sure = "Can you tell me a joke?"
+    assert END.silence_needed_ms(0.6, sure, p_audio=0.53) == pytest.approx(1200 - 0.075 * 950)
+    assert END.silence_needed_ms(0.6, sure, p_audio=0.7) == pytest.approx(725)
+    assert END.silence_needed_ms(0.003, sure, p_audio=0.7) == END.silence_needed_ms(0.003, sure) > 800  # text longer
+    assert END.silence_needed_ms(0.6, sure, p_audio=0.99) == 250
+    assert END.silence_needed_ms(None, sure, p_audio=0.7, text_scored=False) == pytest.approx(725)
+    assert END.silence_needed_ms(0.0, sure) == 1200  # (a probability that underflowed to 0: unfinished)
+    with pytest.raises(ValueError, match="audio_complete"):
+        TurnConfig(audio_incomplete=0.6, audio_complete=0.5)
