@@ -18,9 +18,11 @@ of the 24 kHz output stream, the timeline of the client's `playback.played_ms`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from enum import Enum
+from typing import TypeVar
 
 from duplexd.asr.endpoint import Endpointer
 from duplexd.commands import (
@@ -52,6 +54,7 @@ from duplexd.events import (
     UtteranceFinalized,
     Word,
 )
+from duplexd.streaming.numbers import spoken
 from duplexd.tts.chunker import TextChunker
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
@@ -66,6 +69,10 @@ Output = Event | Command
 ECHO_LIKE_PAUSE_MS = 400
 ECHO_LIKE_PAUSES = 2
 
+_LOOP_WORDS = 8
+_ECHO_SCORES = 64  # remembered per reply (then forgotten at once: bounded)
+_NEAR_WORD = 0.8  # a heard word this similar to a reply word (character ratio) is that word, misheard
+T = TypeVar("T")
 _NORMALIZE = re.compile(r"[^\w'\-]+")
 
 
@@ -76,6 +83,36 @@ def _norm(word: str) -> str:
 def _whole_characters(text: str) -> str:
     """Decoded reply text without a trailing half UTF-8 character (its next token completes it)."""
     return text[: len(text) - 1] if text.endswith("\ufffd") else text
+
+
+def without_loops(items: list[T], key: Callable[[T], str] = str) -> list[T]:
+    """`items` (words) with every phrase of two or more words said again at once said only once: Whisper
+    loops on a cut sound ("In 1813, In 1813, In 1813" for the echo of "In 2013: 1913"), and the loop is no
+    more speech than its first turn. A word said again alone ("stop stop stop", "no no") stays. Phrases of
+    up to `_LOOP_WORDS` words (this runs at every tick of a reply talked over: bounded work)."""
+    out, keys = list(items), [key(x) for x in items]
+    n = 2
+    while n <= _LOOP_WORDS and 2 * n <= len(out):
+        i = next((i for i in range(len(out) - 2 * n + 1) if keys[i : i + n] == keys[i + n : i + 2 * n]), None)
+        if i is None:
+            n += 1
+        else:
+            del out[i + n : i + 2 * n], keys[i + n : i + 2 * n]  # (then look again from the shortest phrase)
+            n = 2
+    return out
+
+
+def _near(word: str, reply_words: set[str]) -> bool:
+    """`word` is one of the reply's words, or (4 letters or more) a piece or a near miss of one: what
+    Whisper writes for the reply's echo ("teen." and "19th." for "thirteen" and "nineteen")."""
+    if word in reply_words:
+        return True
+    if len(word) < 4:
+        return False
+    return any(
+        len(w) >= 4 and (word in w or SequenceMatcher(None, word, w, autojunk=False).ratio() >= _NEAR_WORD)
+        for w in reply_words
+    )
 
 
 def echo_score(heard: str, reply: str) -> float:
@@ -124,16 +161,29 @@ class _Reply:
     paused_at_s: float | None = None  # stream time at which speech over the reply paused it (None: playing)
     pause_armed: bool = True  # False after a resume, until VAD's run of speech that paused it has ended
     echo_like_pause: bool = False  # a pause's sound stopped with the playback: VAD no longer pauses this reply
+    echo_scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (heard, len(text)) -> score
 
     @property
     def samples(self) -> int:
         return sum(self.piece_samples)
 
     def words(self) -> set[str]:
-        return {_norm(w) for w in self.text.split()}
+        """The reply's words, normalized, with its numbers also as said ("2013": "twenty", "thirteen")."""
+        written = [n for w in self.text.split() if (n := _norm(w))]
+        return {*written, *spoken(written)}
 
     def normalized(self) -> str:
         return " ".join(n for w in self.text.split() if (n := _norm(w)))
+
+    def echo_score(self, heard: str) -> float:
+        """`echo_score(heard, the reply so far)`, remembered until the reply's text grows: it is asked again
+        at every tick while the reply is paused, and costs up to tens of ms for a long reply."""
+        key = (heard, len(self.text))
+        if (score := self.echo_scores.get(key)) is None:
+            if len(self.echo_scores) >= _ECHO_SCORES:
+                self.echo_scores.clear()
+            score = self.echo_scores[key] = echo_score(heard, self.normalized())
+        return score
 
 
 class Conversation:
@@ -497,12 +547,14 @@ class Conversation:
 
     def _meaningful(self, words: tuple[Word, ...], r: _Reply) -> list[Word]:
         """The words of an utterance heard during reply `r` that count as the user talking: none if the
-        utterance is the reply's own echo; else those that are not backchannels nor words of the reply."""
-        heard = " ".join(n for w in words if (n := _norm(w.text)))
-        if not heard or echo_score(heard, r.normalized()) >= self._turn.echo_similarity:
+        utterance is the reply's own echo; else those that are not backchannels nor (near) words of the
+        reply, a phrase Whisper looped on counted once."""
+        heard = without_loops([w for w in words if _norm(w.text)], key=lambda w: _norm(w.text))
+        text = " ".join(_norm(w.text) for w in heard)
+        if not heard or r.echo_score(text) >= self._turn.echo_similarity:
             return []
-        spoken = r.words()
-        return [w for w in words if (n := _norm(w.text)) and n not in self._backchannels and n not in spoken]
+        reply_words = r.words()
+        return [w for w in heard if (n := _norm(w.text)) not in self._backchannels and not _near(n, reply_words)]
 
     def _ignorable(self, words: tuple[Word, ...], r: _Reply) -> bool:
         return not self._meaningful(words, r)
@@ -519,8 +571,15 @@ class Conversation:
                 continue
             committed += sum(1 for w in words[:n_committed] if id(w) in meaningful)
             hypothesis += 0 if final else len(meaningful)
+        # A paused reply is silent already: only words that held over two passes (or a final) confirm it.
+        # A hypothesis can be Whisper's hallucination on a cut echo ("it's a very good time to get" for
+        # "In 20..."), gone at the next pass; while it lasts it keeps the reply from resuming. The same
+        # once a pause of this reply was echo-like (the microphone hears the loudspeaker): the hypotheses
+        # that follow are of that sound ("In 1813, we are going to take a look", then "in 20,").
+        hypothesis_counts = r.paused_at_s is None and not r.echo_like_pause
         if not self.barge_in or (
-            committed < self._turn.barge_in_words and hypothesis < self._turn.barge_in_partial_words
+            committed < self._turn.barge_in_words
+            and (not hypothesis_counts or hypothesis < self._turn.barge_in_partial_words)
         ):
             return []
         return self._interrupt("barge_in")

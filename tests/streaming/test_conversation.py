@@ -240,6 +240,37 @@ def test_misheard_echo_of_the_reply_does_not_interrupt() -> None:
     assert of(out, ReplyInterrupted)
 
 
+def test_whisper_s_loop_on_a_cut_echo_is_the_echo_not_new_speech() -> None:
+    """Measured (bench voice, echo through a room at -6 and 0 dB): the echo of "In 2013: 1913", cut by the
+    pause, came back as "In 1813, In 1813, In 1813" and its three "1813"s interrupted the reply."""
+    assert cv.without_loops("in 1813 in 1813 in 1813".split()) == ["in", "1813"]
+    assert cv.without_loops("a b c a b c d a b".split()) == "a b c d a b".split()
+    for kept in ("stop stop stop", "no no I said no", ""):
+        assert cv.without_loops(kept.split()) == kept.split()
+    # (a speaker's own restart reads as said once: only the echo check reads this, the words all count)
+    assert cv.without_loops("I think I think so".split()) == "I think so".split()
+    conv = new()
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "In 2013: 1913"))
+    assert conv.observe([TranscriptUpdated(2, words("In 1813, In 1813, In 1813"), 0)]) == []
+    assert conv.observe([TranscriptUpdated(2, words("in 1813, in 1813, in 18"), 0)]) == []  # 2 words, not 3
+    out = conv.observe([TranscriptUpdated(3, words("stop stop stop"), 0)])
+    assert of(out, ReplyInterrupted)
+
+
+def test_pieces_and_near_misses_of_the_reply_s_words_are_its_echo() -> None:
+    """Measured (bench voice, echo at -6 dB): the echo of "In 2013: 1913" ("in twenty thirteen nineteen
+    thirteen") came back as two utterances, "teen." and "19th.", and the two words interrupted the reply."""
+    conv = new()
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "In 2013: 1913"))
+    assert conv.observe([UtteranceFinalized(2, words("teen."))]) == []
+    assert conv.observe([UtteranceFinalized(3, words("19th."))]) == []
+    assert conv.observe([UtteranceFinalized(4, words("Thirteen"))]) == []
+    out = conv.observe([UtteranceFinalized(5, words("no, the first one"))])
+    assert of(out, ReplyInterrupted)
+
+
 def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
     reply = "she had your dog suit and greasy wash water all year"
     for heard in ("she hid your dux", "dog suit and greasy wash water", "see dux greasie watter"):

@@ -152,3 +152,33 @@ def test_a_reply_that_had_played_out_when_it_paused_resumes_as_it_ends() -> None
     out = conv.played(3 * SR)
     assert of(out, cmd.ResumeAudio) == [cmd.ResumeAudio(reply)] and of(out, ReplyResumed)
     assert not conv.replying
+
+
+def test_a_paused_reply_waits_for_committed_words_and_a_hallucination_only_holds_it() -> None:
+    """Measured (bench voice, echo at -6 dB): Whisper made "it's a very good time to get" of the cut echo
+    of "In 20...", and its seven words interrupted the paused reply; the next pass heard "in 20th,". Paused,
+    the reply is silent already: a hypothesis holds it (no resume while it lasts), committed words confirm."""
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=128)
+    assert conv.observe([TranscriptUpdated(2, words("it's a very good time to get"), 0)]) == []
+    assert tick(conv, 10.8, silence_ms=400) == []  # quiet, but seven words of hypothesis: held
+    assert conv.observe([TranscriptUpdated(2, words("in 20th,"), 0)]) == []
+    assert of(tick(conv, 10.9, silence_ms=500), cmd.ResumeAudio) == [cmd.ResumeAudio(reply)]
+    # Playing, the same hypothesis interrupts (the reply is still loud: three words are enough).
+    conv, reply = playing()
+    assert of(conv.observe([TranscriptUpdated(2, words("it's a very good time to get"), 0)]), ReplyInterrupted)
+    # Paused, words that held over two passes confirm.
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=128)
+    assert of(conv.observe([TranscriptUpdated(2, words("wait no stop"), 2)]), ReplyInterrupted)
+
+
+def test_after_an_echo_like_pause_hypotheses_no_longer_interrupt_committed_words_do() -> None:
+    """Measured (bench voice, echo at -6 dB): the reply resumed after an echo-like pause, and the next
+    hypothesis of that echo ("In 1813, we are going to take a look") interrupted it."""
+    conv, reply = playing()
+    tick(conv, 10.0, voiced_ms=128)
+    out = tick(conv, 10.6, silence_ms=400)  # the sound stopped 200 ms after the pause: echo-like
+    assert of(out, cmd.ResumeAudio)
+    assert conv.observe([TranscriptUpdated(2, words("In 1813, we are going to take a look"), 0)]) == []
+    assert of(conv.observe([TranscriptUpdated(2, words("we are going to"), 3)]), ReplyInterrupted)
