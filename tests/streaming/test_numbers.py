@@ -15,7 +15,8 @@ from duplexd.streaming.numbers import spoken
         ("0 7 13 20 42 100 115", "zero seven thirteen twenty forty two one hundred one hundred fifteen"),
         ("1000 999999", "one thousand nine hundred ninety nine thousand nine hundred ninety nine"),
         ("1234567", "one million two hundred thirty four thousand five hundred sixty seven"),
-        ("1st 2nd 3rd 12th 19th 20th 21st 42nd", "first second third twelfth nineteenth twentieth twenty first forty second"),
+        ("1st 2nd 3rd 12th 19th", "first second third twelfth nineteenth"),
+        ("20th 21st 42nd", "twentieth twenty first forty second"),
         ("dog 3d 12345678 1.5", "dog 3d 12345678 1.5"),  # (not a number it knows: as written)
     ],
 )
