@@ -12,7 +12,9 @@ engine, as the voice server's LLM worker does), and the session is closed when t
 
 Decoding is greedy (the engine's only mode): `temperature` 0 (or absent), `top_p`, `seed` and `user` are
 accepted and change nothing; what would change the reply and is not implemented (`temperature` > 0,
-`n` > 1, tools, stop sequences, penalties, logprobs, JSON mode) is refused with an OpenAI-shaped 400. A
+`n` > 1, tools, stop sequences, penalties, logprobs, JSON mode) is refused with an OpenAI-shaped 400.
+A final assistant message is continued, as vLLM (`continue_final_message`) and llama.cpp's server do:
+its text is the reply's first tokens, and only what follows is sent back. A
 request without a system message gets the server's `[dialog] system_prompt`. A history longer than the
 engine's KV window is read through that window (sinks + the most recent tokens), as in the voice server.
 
@@ -187,6 +189,7 @@ class ChatRequest:
     stream: bool
     max_tokens: int
     include_usage: bool = False
+    prefix: str = ""  # a final assistant message: the reply continues it (its text is not sent back)
 
 
 _IGNORED = frozenset({"user", "seed", "store", "metadata", "service_tier", "top_p", "parallel_tool_calls"})
@@ -211,6 +214,8 @@ _CHECKED = frozenset(
         "logprobs",
         "top_logprobs",
         "response_format",
+        "continue_final_message",
+        "add_generation_prompt",
     }
 )
 
@@ -253,7 +258,10 @@ def parse_chat_request(body: bytes, *, model: str, max_tokens: int) -> ChatReque
             raise _bad(f"{key} must be an integer >= 1", param=key)
         limit = min(limit, value)
     system, turns = _messages(req.get("messages"))
-    return ChatRequest(name, system, turns, bool(stream), limit, include_usage)
+    prefix = _continued(req, turns)
+    if prefix is not None:
+        turns = turns[:-1]
+    return ChatRequest(name, system, turns, bool(stream), limit, include_usage, prefix or "")
 
 
 def _unsupported(req: Mapping[str, Any]) -> None:
@@ -279,9 +287,31 @@ def _unsupported(req: Mapping[str, Any]) -> None:
         raise _bad("only the text response_format is supported", param="response_format")
 
 
+def _continued(req: Mapping[str, Any], turns: tuple[tuple[str, str], ...]) -> str | None:
+    """The final assistant message's text, which the reply continues (None: the turns end with the user's).
+    As vLLM (`continue_final_message: true`, `add_generation_prompt: false`) and llama.cpp's server (a
+    final assistant message is continued) do; only the continuation is sent back."""
+    for key in ("continue_final_message", "add_generation_prompt"):
+        if req.get(key) is not None and not isinstance(req.get(key), bool):
+            raise _bad(f"{key} must be a boolean", param=key)
+    final_assistant = turns[-1][0] == "assistant"
+    if req.get("continue_final_message") and not final_assistant:
+        raise _bad("continue_final_message needs a final assistant message to continue", param="messages")
+    if not final_assistant:
+        return None
+    if req.get("continue_final_message") is False or req.get("add_generation_prompt") is True:
+        raise _bad(
+            "the last message must be a user message, or an assistant message to continue "
+            "(continue_final_message: true, add_generation_prompt: false)",
+            param="messages",
+        )
+    return turns[-1][1]
+
+
 def _messages(messages: object) -> tuple[str | None, tuple[tuple[str, str], ...]]:
     """An optional leading system (or developer) message, then user and assistant turns alternating, from a
-    user turn to a user turn: the transcripts a conversation builds, and what the engine can replay."""
+    user turn to a user turn (or to an assistant message to continue): the transcripts a conversation
+    builds, and what the engine can replay."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty array", param="messages")
     system: str | None = None
@@ -305,7 +335,7 @@ def _messages(messages: object) -> tuple[str | None, tuple[tuple[str, str], ...]
         if role != expected:
             raise _bad(f"messages must alternate user and assistant turns (expected {expected})", param=param)
         turns.append((role, text))
-    if not turns or turns[-1][0] != "user":
+    if not turns:
         raise _bad("the last message must be a user message", param="messages")
     return system, tuple(turns)
 
@@ -347,7 +377,9 @@ class _Job:
     events: asyncio.Queue[_Event]  # (put on the event loop only)
     sid: int | None = None
     text: ReplyText | None = None  # the reply decoded so far (on the worker's thread)
-    shown: str = ""
+    shown: str = ""  # the text sent so far (after the prefix, for a continued message)
+    prefix_tokens: int = 0  # reply tokens that are the continued message's, not decoded
+    prefix_text: str = ""  # ... as they decode
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cancelled: bool = False  # (set on the loop, read by the thread)
@@ -469,6 +501,9 @@ class LlmService:
                 continue
             try:
                 job.sid = self._replay(job.request)
+                job.prefix_tokens = len(self.engine.reply_tokens(job.sid))
+                prefix_ids = self.engine.reply_tokens(job.sid)
+                job.prefix_text = self.engine.tokenizer.decode(prefix_ids, skip_special_tokens=True)
             except Exception:  # (a slot is free: `submit` counted them; anything else is the engine's bug)
                 log.exception("could not start a session for a request")
                 self._events.append((job, _Finished("error")))
@@ -484,7 +519,7 @@ class LlmService:
                     engine.append_user_text(sid, text)
                 else:
                     engine.append_assistant_text(sid, text)
-            engine.start_reply(sid)
+            engine.start_reply(sid, request.prefix)
         except BaseException:
             engine.close(sid)
             raise
@@ -496,10 +531,10 @@ class LlmService:
         for job in list(self._jobs):
             assert job.sid is not None
             tokens = engine.reply_tokens(job.sid)
-            if tokens and not job.prompt_tokens:
+            if len(tokens) > job.prefix_tokens and not job.prompt_tokens:
                 job.prompt_tokens = engine.tokens_seen(job.sid)  # (the first reply token is not in yet)
-            if len(tokens) >= job.request.max_tokens:
-                self._send(job, tokens[: job.request.max_tokens], final=True)
+            if len(tokens) - job.prefix_tokens >= job.request.max_tokens:
+                self._send(job, tokens[: job.prefix_tokens + job.request.max_tokens], final=True)
                 self._finish(job, "length")
             elif not engine.replying(job.sid):
                 self._send(job, tokens, final=True)
@@ -512,13 +547,13 @@ class LlmService:
             decode = self.engine.tokenizer.decode
             job.text = ReplyText(lambda ids: decode(ids, skip_special_tokens=True))
         job.text.extend(tokens[len(job.text) :])
-        text = job.text.text
+        text = job.text.text[len(job.prefix_text) :]  # (a continued message's own text is the client's)
         if not final and text.endswith("\ufffd"):  # a character's bytes span tokens: wait for the rest
             return
         if len(text) > len(job.shown):
             self._events.append((job, _Delta(text[len(job.shown) :])))
             job.shown = text
-        job.completion_tokens = len(tokens)
+        job.completion_tokens = len(tokens) - job.prefix_tokens
 
     def _finish(self, job: _Job, reason: str) -> None:
         self._jobs.remove(job)

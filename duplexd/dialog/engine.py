@@ -445,8 +445,11 @@ class DialogEngine:
         session = self._get(sid)
         return None if session.pending or not session.user_open else session.p_end_of_turn
 
-    def start_reply(self, sid: int) -> None:
-        """Close the user's turn and start the assistant's reply (no-op while already replying)."""
+    def start_reply(self, sid: int, prefix: str = "") -> None:
+        """Close the user's turn and start the assistant's reply (no-op while already replying). `prefix`:
+        the reply's first words, given rather than decoded (a reply continued from them: `duplexd
+        serve-llm`'s final assistant message); they are its first tokens, prefilled, and decoding goes on
+        after them."""
         session = self._get(sid)
         if session.replying:
             return
@@ -460,6 +463,9 @@ class DialogEngine:
         session.reply = []
         session.reply_start = session.window.n + len(session.pending)
         session.p_end_of_turn = None
+        if prefix:
+            session.reply = self.tokenizer.encode(prefix)
+            self._queue(session, list(session.reply))
 
     def append_assistant_text(self, sid: int, text: str) -> None:
         """A whole earlier assistant turn, for a conversation replayed from its transcript (an OpenAI-style

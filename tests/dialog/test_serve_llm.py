@@ -167,6 +167,44 @@ async def test_streamed_reply_is_the_in_process_reply_token_for_token(server: Ll
     engine.close(sid)
 
 
+def _word_prefix(engine: DialogEngine, tokens: list[int], words: int) -> str:
+    text = engine.tokenizer.decode(tokens)
+    return " ".join(text.split(" ")[:words])
+
+
+@slow
+def test_a_reply_continued_from_its_own_first_words_is_the_same_reply(engine: DialogEngine) -> None:
+    """Greedy decoding: given the first words of the reply it would give, the engine gives the rest of it."""
+    full = local_reply(engine, [("user", Q1)])
+    text = engine.tokenizer.decode(full)
+    prefix = _word_prefix(engine, full, 2)
+    sid = engine.open()
+    engine.append_user_text(sid, Q1)
+    engine.start_reply(sid, prefix)
+    while engine.replying(sid):
+        engine.step()
+    assert engine.tokenizer.decode(engine.reply_tokens(sid)) == text
+    engine.close(sid)
+
+
+@slow
+async def test_a_final_assistant_message_is_continued(server: LlmServer, engine: DialogEngine) -> None:
+    """vLLM's `continue_final_message` (and llama.cpp's final assistant message): the reply goes on from the
+    given words, and only what follows them comes back; the usage counts only those tokens."""
+    full = local_reply(engine, [("user", Q1)])
+    text = engine.tokenizer.decode(full)
+    prefix = _word_prefix(engine, full, 2)
+    turns = [{"role": "user", "content": Q1}, {"role": "assistant", "content": prefix}]
+    vllm = {"continue_final_message": True, "add_generation_prompt": False}
+    async with server.client() as client:
+        streamed = await client.chat.completions.create(model="smollm2", messages=turns, stream=True, extra_body=vllm)
+        got = "".join([c.choices[0].delta.content or "" async for c in streamed if c.choices])
+        whole = await client.chat.completions.create(model="smollm2", messages=turns)
+    assert prefix + got == text and got
+    assert whole.choices[0].message.content == got
+    assert whole.usage is not None and whole.usage.completion_tokens == len(full) - len(engine.tokenizer.encode(prefix))
+
+
 @slow
 async def test_non_streaming_completion_and_usage(server: LlmServer, engine: DialogEngine) -> None:
     expected = local_reply(engine, [("user", Q3)])
@@ -377,6 +415,20 @@ def test_parse_chat_request() -> None:
         with pytest.raises(ApiError) as caught:
             parse(**bad)
         assert (caught.value.status, caught.value.param) == (400, param), bad
+    # A final assistant message is continued (vLLM's continue_final_message, llama.cpp's default).
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    want = ChatRequest("m", None, (("user", "hi"),), False, 50, prefix="Hello, I am")
+    assert parse(messages=turns) == want
+    assert parse(messages=turns, continue_final_message=True, add_generation_prompt=False) == want
+    for bad in (
+        {"messages": turns, "continue_final_message": False},
+        {"messages": turns, "add_generation_prompt": True},
+        {"continue_final_message": True},  # (nothing to continue)
+        {"messages": turns, "continue_final_message": "yes"},
+    ):
+        with pytest.raises(ApiError) as caught:
+            parse(**bad)
+        assert caught.value.status == 400 and caught.value.param in ("messages", "continue_final_message"), bad
     with pytest.raises(ApiError) as caught:
         parse(model="other")
     assert (caught.value.status, caught.value.code) == (404, "model_not_found")
