@@ -40,6 +40,7 @@ import http.client
 import itertools
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -161,6 +162,7 @@ class _Stream:
         self.received = 0
         self.done = False
         self.error: str | None = None
+        self.refused = False  # the server answered 400: it does not take this request as it is
         self.cancelled = False
 
     def start(self, name: str) -> None:
@@ -216,6 +218,7 @@ class _Stream:
         """Read the SSE stream into `pieces`; the error that ended it, or None."""
         response = conn.getresponse()
         if response.status != 200:
+            self.refused = response.status == 400
             return f"HTTP {response.status}: {_error_message(response.read(_MAX_ERROR_BYTES))}"
         finished = False
         while not self.cancelled:
@@ -279,6 +282,7 @@ class _Conversation:
     replying: bool = False
     reply: list[int] = field(default_factory=list)  # piece ids
     reply_done: bool = False  # the reply is the last message, whole, and nothing followed it yet
+    prefix: str = ""  # the reply's given first words, which its request asks the server to continue
     stream: _Stream | None = None
 
 
@@ -290,6 +294,7 @@ class RemoteDialogEngine:
 
     reports_p_end = False  # the conversation drafts at the pause without it (an early request)
     tuning = None  # (the remote server computes: nothing measured here)
+    continues: bool | None = None  # the server continues a given reply prefix (None: not asked yet)
 
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config
@@ -437,8 +442,11 @@ class RemoteDialogEngine:
         self._get(sid)
         return None
 
-    def start_reply(self, sid: int) -> None:
-        """Close the user's turn (an empty one if none is open) and send the request."""
+    def start_reply(self, sid: int, prefix: str = "") -> None:
+        """Close the user's turn (an empty one if none is open) and send the request. `prefix`: the reply's
+        first words, given (its first pieces, one a word); the server is asked to continue them (the final
+        assistant message, `continue_final_message`). A server that refuses that (`continues` turns
+        False, logged once) is asked again without them, and the reply is its own from the start."""
         c = self._get(sid)
         if c.replying:
             return
@@ -448,6 +456,8 @@ class RemoteDialogEngine:
         c.user_text, c.user_open = "", False
         _trim(c.history, self.config.history_chars)
         c.replying = True
+        c.prefix = prefix if self.continues is not False else ""
+        c.reply = [self.tokenizer.add(word) for word in _words(c.prefix)]
         c.stream = self._request(c)
 
     def rewrite(
@@ -526,6 +536,8 @@ class RemoteDialogEngine:
             return []
         new: list[int] = []
         ended = False
+        if c.prefix and stream.received:
+            self.continues = True
         while stream.pieces and not _at_limit(c) and len(c.reply) < c.reply_cap:
             piece = stream.pieces.popleft()
             before = self.tokenizer.decode(c.reply)
@@ -541,6 +553,8 @@ class RemoteDialogEngine:
         if ended or len(c.reply) >= c.reply_cap:
             self._cancel(c)
             self._end_reply(c)
+        elif stream.done and not stream.pieces and c.prefix and stream.refused and stream.received == 0:
+            self._refused_continuation(c)
         elif stream.done and not stream.pieces:
             if stream.error is not None:
                 self.stats["failed"] += 1
@@ -556,13 +570,18 @@ class RemoteDialogEngine:
         return new
 
     def _request(self, c: _Conversation) -> _Stream | None:
-        body = {
+        messages = _messages(c.system, c.history)
+        if c.prefix:
+            messages.append({"role": "assistant", "content": c.prefix})
+        body: dict[str, object] = {
             "model": self.config.model,
-            "messages": _messages(c.system, c.history),
+            "messages": messages,
             "stream": True,
             "temperature": 0,
-            "max_tokens": c.reply_cap,
+            "max_tokens": max(1, c.reply_cap - len(c.reply)),
         }
+        if c.prefix:  # (vLLM's names; llama.cpp's server continues a final assistant message as it is)
+            body |= {"continue_final_message": True, "add_generation_prompt": False}
         with self._cond:
             if self._threads >= 2 * self.config.max_sessions:
                 self.stats["failed"] += 1
@@ -573,6 +592,19 @@ class RemoteDialogEngine:
         self.stats["requests"] += 1
         stream.start(f"duplexd-remote-llm-{c.id}")
         return stream
+
+    def _refused_continuation(self, c: _Conversation) -> None:
+        """The server refused to continue the prefix (HTTP 400): ask again without it, and never again."""
+        if self.continues is not False:
+            log.warning(
+                "remote LLM at %s does not continue a final assistant message (%s): replies start there",
+                self.config.endpoint,
+                c.stream.error if c.stream is not None else "",
+            )
+        self.continues = False
+        self.tokenizer.forget(c.reply)
+        c.reply, c.prefix = [], ""
+        c.stream = self._request(c)
 
     def _thread_exited(self) -> None:
         with self._cond:
@@ -596,6 +628,13 @@ class RemoteDialogEngine:
             return self._sessions[sid]
         except KeyError:
             raise UnknownSession(f"no dialog session {sid}") from None
+
+
+def _words(text: str) -> list[str]:
+    """`text` in pieces of one word each, with its leading space ("Paris is" -> "Paris", " is")."""
+    pieces = re.findall(r"\s*\S+", text)
+    tail = text[len("".join(pieces)) :]  # (trailing spaces: with the last word)
+    return [*pieces[:-1], pieces[-1] + tail] if pieces else [tail] if tail else []
 
 
 def _has_work(c: _Conversation) -> bool:

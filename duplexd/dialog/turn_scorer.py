@@ -141,8 +141,8 @@ class TurnScoredEngine:
         lsid = self._scored.get(sid)
         return None if lsid is None else self.scorer.p_end_of_turn(lsid)
 
-    def start_reply(self, sid: int) -> None:
-        self.remote.start_reply(sid)
+    def start_reply(self, sid: int, prefix: str = "") -> None:
+        self.remote.start_reply(sid, prefix)
         self._next_turn(sid)
 
     def adopt(self, sid: int, draft: int) -> None:

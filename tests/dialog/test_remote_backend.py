@@ -332,11 +332,11 @@ def _delta(text: str | None, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
 
 
-async def _reply(engine: RemoteDialogEngine, text: str = "Hi", system: str | None = None) -> str:
+async def _reply(engine: RemoteDialogEngine, text: str = "Hi", system: str | None = None, prefix: str = "") -> str:
     """One turn's reply, stepped until it ends."""
     sid = engine.open(system)
     engine.append_user_text(sid, text)
-    engine.start_reply(sid)
+    engine.start_reply(sid, prefix)
     while engine.replying(sid):
         await asyncio.to_thread(engine.step)
     text = engine.tokenizer.decode(engine.reply_tokens(sid))
@@ -511,3 +511,48 @@ async def test_the_local_model_scores_the_turns_of_a_remote_conversation(local: 
     assert report["steps"] > 0 and report["kv_bytes"] > 0 and report["sessions"] == 0  # (closed with its conversation)
     assert local.sessions == 0
     assert scored.reports_p_end and not remote_engine(llm_url).reports_p_end  # (the conversation waits for it)
+
+
+@slow
+async def test_a_reply_given_its_first_words_is_continued_by_serve_llm(llm_url: str) -> None:
+    """The reply's first words are given (the relay's committed prefix); the server continues them, and the
+    reply (what the transcript keeps, what the conversation hears) is those words and the continuation,
+    one piece per given word, then the server's pieces."""
+    whole = await _reply(remote_engine(llm_url), TURNS[0])
+    prefix = " ".join(whole.split(" ")[:2])
+    engine = remote_engine(llm_url)
+    sid = engine.open()
+    engine.append_user_text(sid, TURNS[0])
+    engine.start_reply(sid, prefix)
+    assert [engine.tokenizer.decode([t]) for t in engine.reply_tokens(sid)] == [
+        prefix.split(" ")[0],
+        *(" " + w for w in prefix.split(" ")[1:]),
+    ]
+    while engine.replying(sid):
+        await asyncio.to_thread(engine.step)
+    assert engine.tokenizer.decode(engine.reply_tokens(sid)) == whole and engine.continues is True
+    assert engine.history(sid)[-1] == {"role": "assistant", "content": whole}
+
+
+async def test_a_server_that_refuses_to_continue_is_asked_again_without_the_words() -> None:
+    """OpenAI's own API refuses `continue_final_message` (an unrecognized argument): the reply is then the
+    server's own from the start (the given words are dropped), and no later request asks again."""
+    seen: list[dict] = []
+
+    def strict(head: bytes, body: dict) -> bytes:
+        seen.append(body)
+        if "continue_final_message" in body:
+            error = json.dumps({"error": {"message": "Unrecognized request argument supplied: continue_final_message"}})
+            return b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(error), error.encode())
+        return _chunked(_delta("Paris is"), _delta(" lovely."), _delta(None, "stop"), b"data: [DONE]\n\n")
+
+    server, url = await _sse_server(strict)
+    async with server:
+        engine = remote_engine(url)
+        assert await _reply(engine, prefix="Paris, I") == "Paris is lovely."
+        assert engine.continues is False and engine.stats["failed"] == 0
+        assert await _reply(engine, prefix="Paris, I") == "Paris is lovely."
+    assert seen[0]["messages"][-1] == {"role": "assistant", "content": "Paris, I"}
+    assert seen[0]["continue_final_message"] is True and seen[0]["add_generation_prompt"] is False
+    assert [("continue_final_message" in b) for b in seen] == [True, False, False]
+    assert seen[1]["messages"][-1]["role"] == "user"
