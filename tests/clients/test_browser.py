@@ -7,6 +7,7 @@ Chromium is driven over the DevTools protocol (tests/clients/cdp.py). Needs /usr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -168,5 +169,67 @@ async def test_the_page_resumes_the_session_when_its_connection_drops(
     assert isinstance(reply, dict) and reply["streamedText"] == reply["text"] and reply["text"].strip(), reply
     # ... and every sample of its audio arrived exactly once, and was played.
     assert reply["audioMsReceived"] == pytest.approx(reply["audioMs"], abs=0.1), reply
+    assert state["errors"] == [], state["errors"]
+    assert problems == [], problems
+
+
+BACKCHANNELS_AFTER_EOS_S = (5.0, 9.0, 13.0)  # while a storyteller's reply (~18 s) plays, whenever it began
+
+
+@pytest.fixture
+def mic_with_backchannels(clip_by_name: dict[str, Clip], tmp_path: Path) -> Path:
+    """The question, then "Okay, okay." (a real meeting recording) three times while the reply plays."""
+    clip = clip_by_name.get(CLIP)
+    if clip is None:
+        pytest.skip(f"{CLIP} is not in the speech data manifest")
+    question = np.concatenate([sc.silence(SILENCE_BEFORE_S), sc.load(clip.path)]).astype(np.float32)
+    eos = len(question)
+    audio = np.zeros(eos + round((BACKCHANNELS_AFTER_EOS_S[-1] + 10) * sc.RATE), np.float32)
+    audio[:eos] = question
+    okay = sc.backchannel(clip.path.parent).astype(np.float32)
+    for at_s in BACKCHANNELS_AFTER_EOS_S:
+        i = eos + round(at_s * sc.RATE)
+        audio[i : i + len(okay)] += okay
+    path = tmp_path / "mic.wav"
+    sf.write(path, soxr.resample(audio / 32768, sc.RATE, MIC_RATE), MIC_RATE, subtype="PCM_16")
+    return path
+
+
+async def test_a_backchannel_pauses_the_reply_in_the_page_and_it_plays_on(
+    make_server, mic_with_backchannels: Path, tmp_path: Path
+) -> None:
+    """Speech over the reply pauses the page's player at once (`reply.paused`); "okay, okay" is no
+    interruption, so the reply resumes (`reply.resumed`) and plays to its end, every sample of it."""
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
+    srv = await make_server(sc.storyteller(max_reply_tokens=60, speed=0.7))
+    async with launch_chromium(chromium, tmp_path, mic_with_backchannels) as page:
+        await page.navigate(srv.http + "/")
+        await _wait(
+            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
+        )
+        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'live'", 30, "the session did not start")
+        await _wait(page, "window.duplexd.replyPauses.length > 0", REPLY_TIMEOUT_S, "the backchannel paused nothing")
+        # Paused: the player holds (what it has played does not move) until the reply resumes.
+        held_at = await page.evaluate("window.duplexd.playedMs")
+        await asyncio.sleep(0.3)
+        still = await page.evaluate("window.duplexd.replyResumes.length === 0 ? window.duplexd.playedMs : null")
+        await _wait(page, "window.duplexd.replyResumes.length > 0", 30, "the paused reply did not resume")
+        reply = await _wait(page, REPLY_PLAYED_JS, REPLY_TIMEOUT_S, "the resumed reply did not play to its end")
+        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'ended'", 30, "the session did not end cleanly")
+        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
+        problems = list(page.problems)
+
+    if still is not None:  # (not resumed within those 0.3 s)
+        assert still == pytest.approx(held_at, abs=1.0), (held_at, still)
+    first = state["replies"][0]
+    assert not first["interrupted"] and first["done"], first
+    assert len(state["replyResumes"]) == len(state["replyPauses"]) >= 1, state
+    assert {p["reply"] for p in state["replyPauses"]} == {first["reply"]}, state
+    assert isinstance(reply, dict) and reply["audioMsReceived"] == pytest.approx(reply["audioMs"], abs=0.1), reply
+    assert state["playedMs"] == pytest.approx(sum(r["audioMsReceived"] for r in state["replies"]), abs=0.1), state
     assert state["errors"] == [], state["errors"]
     assert problems == [], problems
