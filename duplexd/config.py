@@ -309,7 +309,8 @@ class TurnConfig:
     """Committed words (not backchannels, not the reply's own echo) that interrupt the reply ..."""
     barge_in_partial_words: int = 3
     """... or as many words of the recognizer's latest (not yet committed) hypothesis, while the reply plays
-    (a paused reply waits for committed words: it is silent already)."""
+    and speech does not pause it (`pause_on_speech_ms` = 0, or its pauses proved to be echo): where speech
+    pauses replies, only committed words interrupt (a paused reply is silent already)."""
     pause_on_speech_ms: int = 128
     """Speech (VAD, this long without a break) while the reply is playing pauses it at once (`reply.paused`),
     before any word is recognized; the words then interrupt it as above, or the reply resumes where it

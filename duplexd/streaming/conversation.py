@@ -575,8 +575,12 @@ class Conversation:
         # A hypothesis can be Whisper's hallucination on a cut echo ("it's a very good time to get" for
         # "In 20..."), gone at the next pass; while it lasts it keeps the reply from resuming. The same
         # once a pause of this reply was echo-like (the microphone hears the loudspeaker): the hypotheses
-        # that follow are of that sound ("In 1813, we are going to take a look", then "in 20,").
-        hypothesis_counts = r.paused_at_s is None and not r.echo_like_pause
+        # that follow are of that sound ("In 1813, we are going to take a look", then "in 20,"). And where
+        # speech would pause this reply's audio, a hypothesis never interrupts it: real speech pauses it
+        # first (then committed words decide), so a hypothesis over it playing is of a sound VAD did not
+        # take for speech (a throat clearing Whisper heard as "uh,", a phrase of the reply's own echo).
+        pausable = self._pauses(r) and self._audible(r)
+        hypothesis_counts = not pausable and r.paused_at_s is None and not r.echo_like_pause
         if not self.barge_in or (
             committed < self._turn.barge_in_words
             and (not hypothesis_counts or hypothesis < self._turn.barge_in_partial_words)

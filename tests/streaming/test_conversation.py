@@ -34,6 +34,11 @@ def new() -> cv.Conversation:
     return cv.Conversation(TurnConfig(min_silence_ms=250), TtsConfig(first_words=3))
 
 
+def unpaused() -> cv.Conversation:
+    """A conversation where speech does not pause the reply: words alone interrupt it, hypotheses too."""
+    return cv.Conversation(TurnConfig(min_silence_ms=250, pause_on_speech_ms=0), TtsConfig(first_words=3))
+
+
 def say(conv: cv.Conversation, utt: int, text: str, *, p_end: float = 0.5) -> list[cv.Output]:
     """The user says `text` as utterance `utt`: a partial with two committed words, then the final."""
     w = words(text)
@@ -221,7 +226,7 @@ def test_second_turn_numbers_follow_and_audio_positions_continue() -> None:
 
 
 def test_a_long_enough_hypothesis_interrupts_before_words_commit() -> None:
-    conv = new()
+    conv = unpaused()
     reply = start_reply(conv)
     voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
     assert conv.observe([TranscriptUpdated(2, words("no that is"), 0)]) == []  # "is": the reply's own word
@@ -229,8 +234,19 @@ def test_a_long_enough_hypothesis_interrupts_before_words_commit() -> None:
     assert of(out, ReplyInterrupted)
 
 
-def test_misheard_echo_of_the_reply_does_not_interrupt() -> None:
+def test_where_speech_pauses_the_reply_only_committed_words_interrupt_it() -> None:
+    """Measured (bench voice, noise run 4): a throat clearing over the reply was no speech to VAD (no pause),
+    but Whisper's hypothesis read "uh, no that is" and interrupted it. Real speech pauses the reply first;
+    a hypothesis alone never interrupts a reply whose audio speech would pause."""
     conv = new()
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
+    assert conv.observe([TranscriptUpdated(2, words("uh, no that is wrong"), 0)]) == []
+    assert of(conv.observe([TranscriptUpdated(2, words("uh, no that is wrong"), 3)]), ReplyInterrupted)
+
+
+def test_misheard_echo_of_the_reply_does_not_interrupt() -> None:
+    conv = unpaused()
     reply = start_reply(conv)
     voice_all(conv, reply, stream_reply(conv, reply, "She had your dog suit and greasy wash water all year."))
     # What Whisper made of the loudspeaker: near-misses of the reply's words.
@@ -249,7 +265,7 @@ def test_whisper_s_loop_on_a_cut_echo_is_the_echo_not_new_speech() -> None:
         assert cv.without_loops(kept.split()) == kept.split()
     # (a speaker's own restart reads as said once: only the echo check reads this, the words all count)
     assert cv.without_loops("I think I think so".split()) == "I think so".split()
-    conv = new()
+    conv = unpaused()
     reply = start_reply(conv)
     voice_all(conv, reply, stream_reply(conv, reply, "In 2013: 1913"))
     assert conv.observe([TranscriptUpdated(2, words("In 1813, In 1813, In 1813"), 0)]) == []

@@ -164,8 +164,8 @@ def test_a_paused_reply_waits_for_committed_words_and_a_hallucination_only_holds
     assert tick(conv, 10.8, silence_ms=400) == []  # quiet, but seven words of hypothesis: held
     assert conv.observe([TranscriptUpdated(2, words("in 20th,"), 0)]) == []
     assert of(tick(conv, 10.9, silence_ms=500), cmd.ResumeAudio) == [cmd.ResumeAudio(reply)]
-    # Playing, the same hypothesis interrupts (the reply is still loud: three words are enough).
-    conv, reply = playing()
+    # Playing where speech does not pause it, the same hypothesis interrupts (three words are enough).
+    conv, reply = playing(pause_on_speech_ms=0)
     assert of(conv.observe([TranscriptUpdated(2, words("it's a very good time to get"), 0)]), ReplyInterrupted)
     # Paused, words that held over two passes confirm.
     conv, reply = playing()
