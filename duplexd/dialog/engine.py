@@ -43,6 +43,7 @@ from torch import Tensor
 from duplexd.config import DialogConfig
 from duplexd.dialog.attention import step_attention
 from duplexd.dialog.detok import ReplyText
+from duplexd.dialog.device import torch_device
 from duplexd.dialog.gguf_weights import ChatTokenizer
 from duplexd.dialog.guard import banned_tokens, reply_end
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
@@ -96,6 +97,9 @@ class EngineConfig:
     with them) and kept at every step (a library imported later may change torch's, as silero-vad's
     package does at import)."""
 
+    device: str = _DEFAULTS.device
+    """`cpu`, `cuda` or `cuda:N` (`dialog/device.py`): where the weights, the KV pool and the steps live."""
+
     @property
     def torch_threads(self) -> int:
         """`threads`, with 0 read as one per core."""
@@ -137,6 +141,7 @@ class EngineConfig:
             model=config.model,
             dtype=config.dtype,
             threads=config.threads,
+            device=config.device,
         )
 
 
@@ -222,6 +227,7 @@ class DialogEngine:
             slots=self.config.max_sessions,
             dtype=model.tok_embeddings.weight.dtype,
             compute_dtype=model.attention_dtypes or None,
+            device=model.device,
         )
         self.rope = RopeTable(mc.head_dim, mc.rope_theta, cached=max(8192, mc.context_length))
         self.format = ChatFormat.from_tokenizer(tokenizer, self.config.system_prompt)
@@ -253,15 +259,17 @@ class DialogEngine:
         from duplexd.dialog.weights import load_weights
 
         config = config or EngineConfig()
+        device = torch_device(config.device)
         torch.set_num_threads(config.torch_threads)  # (the tuning below measures with them)
         t0 = time.perf_counter()
         loaded = load_weights(config.model)
         model, tuning = tuned_model(
-            loaded.config, loaded.weights, loaded.tokenizer, config.dtype, config.model, loaded.blocks
+            loaded.config, loaded.weights, loaded.tokenizer, config.dtype, config.model, loaded.blocks, device
         )
         log.info(
-            "dialog model %s loaded in %.1fs: %s, decode %s (%s in %.1fs)",
+            "dialog model %s loaded on %s in %.1fs: %s, decode %s (%s in %.1fs)",
             config.model,
+            tuning.device,
             time.perf_counter() - t0,
             tuning.dtype,
             model.decode_linear.name,
@@ -591,6 +599,7 @@ class DialogEngine:
             [(w.session.slot, w.plan, seg) for w, seg in zip(work, segments, strict=True)],
         )
         logits = self.model.step(torch.tensor(tokens), attend, torch.tensor(logits_rows, dtype=torch.long))
+        logits = logits.cpu()  # (from a GPU: once per step; the token choice reads them on the CPU)
         out: dict[int, list[int]] = {}
         row = 0
         for w in work:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from duplexd.dialog.device import synchronize
 from duplexd.dialog.gguf_weights import FOUR_BIT_GROUP
 
 TILE_SIZES = (1, 2, 4, 8, 16)  # the sizes tried; the largest is the tile a long step is cut into
@@ -40,10 +41,11 @@ PROBE_ROWS = (1, 2, 4, 8, 16)  # the decode batch sizes a choice is timed at
 def rowwise_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight)` for `x[N, K]`, computed one row at a time (bitwise batch-invariant).
 
-    float32: one `bmm` whose batch items are single rows (measured bitwise equal to `F.linear` on the row
-    alone, at any N). bfloat16 has no fast batched kernel for that shape, so its rows are separate calls.
+    float32 on a CPU: one `bmm` whose batch items are single rows (measured bitwise equal to `F.linear` on
+    the row alone, at any N). bfloat16 has no fast batched kernel for that shape, and cuBLAS picks a `bmm`
+    kernel by the batch count (a row's numbers would depend on N), so there the rows are separate calls.
     """
-    if x.dtype != torch.float32:
+    if x.dtype != torch.float32 or x.device.type != "cpu":
         if not x.shape[0]:
             return F.linear(x, weight, bias)
         return torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
@@ -142,10 +144,10 @@ def invariant_tiles(
     for weight, bias in weights:
         dim = weight.shape[1]
         for _ in range(trials):
-            row = torch.randn(1, dim, generator=gen).to(weight.dtype)
+            row = torch.randn(1, dim, generator=gen).to(weight.device, weight.dtype)
             alone = linear(torch.cat([row, row.new_zeros(largest - 1, dim)]), weight, bias)[0]
             for size in sorted(keep):
-                others = torch.randn(size, dim, generator=gen).to(weight.dtype)
+                others = torch.randn(size, dim, generator=gen).to(weight.device, weight.dtype)
                 position = int(torch.randint(size, (1,), generator=gen))
                 others[position] = row[0]
                 if not torch.equal(linear(others, weight, bias)[position], alone):
@@ -170,18 +172,21 @@ def step_ms(
     """Milliseconds of one step's decode matrix multiplies for `rows` rows: every weight in turn (times its
     count), as a step streams them; the fastest of `passes` whole passes, after one call per shape to warm."""
     inputs: dict[tuple[int, torch.dtype], Tensor] = {}
+    device = layers[0][0].device
     for weight, bias, _ in layers:
         key = (weight.shape[1], weight.dtype)
         if key not in inputs:
-            inputs[key] = torch.randn(rows, weight.shape[1]).to(weight.dtype)
+            inputs[key] = torch.randn(rows, weight.shape[1]).to(weight.device, weight.dtype)
             kernel(inputs[key], weight, bias)  # (warm: the first call of a shape allocates)
     best = math.inf
     for _ in range(passes):
+        synchronize(device)
         t0 = time.perf_counter()
         for weight, bias, count in layers:
             x = inputs[(weight.shape[1], weight.dtype)]
             for _ in range(count):
                 kernel(x, weight, bias)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 1000 * best
 

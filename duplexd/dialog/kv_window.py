@@ -94,6 +94,8 @@ class KvPool:
         slots: int,
         dtype: torch.dtype,
         compute_dtype: torch.dtype | Mapping[int, torch.dtype] | None = None,
+        device: torch.device | str = "cpu",
+        attention_tile: int | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"a KV pool needs at least one slot, got {slots}")
@@ -105,8 +107,12 @@ class KvPool:
             self._arithmetic = tuple(sorted(compute_dtype.items()))
         else:
             self._arithmetic = ((0, dtype),)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Decode attention's batched matmuls take this many sessions a call (padded; 0: as many as there
+        # are). A CPU computes each batch item alone whatever the batch; cuBLAS picks its kernel by the batch
+        # count too, so on a GPU a row's numbers would depend on how many others share its bucket.
+        self.attention_tile = (0 if self.k.device.type == "cpu" else 16) if attention_tile is None else attention_tile
         self._table = SlotTable(slots, "KV slot")
 
     def compute_dtype(self, rows: int) -> torch.dtype:
@@ -157,6 +163,14 @@ class Plan:
     mask: Tensor
     rot_abs: Tensor
     rot_sink: Tensor | None
+
+    def to(self, device: torch.device) -> Plan:
+        """The plan with the tensors attention reads on `device` (itself where they are there already)."""
+        if self.mask.device == device:
+            return self
+        rot_sink = None if self.rot_sink is None else self.rot_sink.to(device)
+        rows, mask, rot_abs = self.rows.to(device), self.mask.to(device), self.rot_abs.to(device)
+        return Plan(self.positions, rows, self.used, mask, rot_abs, rot_sink)
 
 
 class WindowState:

@@ -168,6 +168,10 @@ class Transformer(nn.Module):
         # decode attention's arithmetic by the cache rows it spans (empty: the weights' dtype; `tuning`)
         self.attention_dtypes: dict[int, torch.dtype] = {}
 
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
     def decode_layers(self) -> list[tuple[Tensor, Tensor | None, int]]:
         """The weights a decode step multiplies one-token rows by, one per shape, each with its uses per step
         (what the invariance self-test checks: a row's numbers depend on the shape, not on the values)."""
@@ -211,8 +215,9 @@ class Transformer(nn.Module):
         seq = tokens.shape[1]
         if seq > self.config.context_length:
             raise EngineError(f"{seq} tokens exceed the model's context of {self.config.context_length}")
-        rotation = rope_angles(torch.arange(seq), self.config.head_dim, self.config.rope_theta)
-        x = self.tok_embeddings(tokens)
+        device = self.device
+        rotation = rope_angles(torch.arange(seq), self.config.head_dim, self.config.rope_theta).to(device)
+        x = self.tok_embeddings(tokens.to(device))
         for layer in self.layers:
             x = layer(x, rotation)
         return self.output(self.norm(x))
@@ -225,7 +230,7 @@ class Transformer(nn.Module):
         `logits_rows=None`, logits for every row in one plain matmul (scoring a text, not decoding).
         """
         decode = self.decode_linear
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens.to(self.device))
         for index, layer in enumerate(self.layers):
             block: TransformerBlock = layer  # type: ignore[assignment]
             attn = block.attention
@@ -237,7 +242,7 @@ class Transformer(nn.Module):
             x = h + _packed_linear(hidden, ffn.w2, decode)
         if logits_rows is None:
             return self.output(self.norm(x))
-        return decode(self.norm(x[logits_rows]), self.output.weight)
+        return decode(self.norm(x[logits_rows.to(self.device)]), self.output.weight)
 
     @classmethod
     def from_gguf(cls, path: Path) -> Transformer:
@@ -251,15 +256,20 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_state_dict(
-        cls, config: LlamaConfig, weights: Mapping[str, Tensor], dtype: torch.dtype = torch.float32
+        cls,
+        config: LlamaConfig,
+        weights: Mapping[str, Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> Transformer:
-        """Build the model from per-projection weights (`wq`/`wk`/`wv`, `w1`/`w3` fused here), in eval mode."""
+        """Build the model from per-projection weights (`wq`/`wk`/`wv`, `w1`/`w3` fused here), in eval mode,
+        its weights in `dtype` on `device`."""
         with torch.device("meta"):
             model = cls(config)
         state = fuse_projections(config, weights)
         if config.tie_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
-        state = {name: t.to(dtype) for name, t in state.items()}
+        state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
         if config.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight

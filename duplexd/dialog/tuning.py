@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from duplexd.dialog.device import describe, synchronize
 from duplexd.dialog.gguf_weights import ChatTokenizer, FourBitBlocks, LlamaConfig
 from duplexd.dialog.kernels import DecodeLinear, choose, invariant_tiles, least_worst_ratio
 from duplexd.dialog.model import Transformer
@@ -87,6 +88,7 @@ class Tuning:
     # empty: the model's own dtype throughout)
     attention: dict[str, str] = field(default_factory=dict)
     attention_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # compute dtype -> probe -> ms
+    device: str = "cpu"  # where it was measured and runs (`device.describe`)
     cached: bool = False
     seconds: float = 0.0
 
@@ -104,6 +106,7 @@ class Tuning:
             "perplexity": self.perplexity,
             "attention_dtype": self.attention,
             "attention_ms": self.attention_ms,
+            "device": self.device,
             "cached": self.cached,
         }
 
@@ -112,7 +115,9 @@ ATTENTION_SESSIONS = (1, 16)  # decode rows in a bucket, timed ...
 ATTENTION_ROWS = (128, 512, 2048)  # ... at these bucket lengths (a bucket takes the first at least its size)
 
 
-def attention_ms(config: LlamaConfig, stored: torch.dtype, compute: torch.dtype) -> dict[str, float]:
+def attention_ms(
+    config: LlamaConfig, stored: torch.dtype, compute: torch.dtype, device: torch.device | None = None
+) -> dict[str, float]:
     """Milliseconds of one layer's decode attention as a step runs it (`DecodeBatch.attend`: rotation, the
     pool write, the cast of the cache rows, scores, softmax, values) over a cache stored in `stored`,
     computed in `compute`, for `ATTENTION_SESSIONS` x `ATTENTION_ROWS` ("1x128", ...); the fastest of
@@ -127,11 +132,19 @@ def attention_ms(config: LlamaConfig, stored: torch.dtype, compute: torch.dtype)
     kv_heads, dim = config.n_kv_heads, config.head_dim
     rope = RopeTable(dim, config.rope_theta, cached=window.capacity + 1)
     slots = max(ATTENTION_SESSIONS)
+    device = device or torch.device("cpu")
     pool = KvPool(
-        layers=1, kv_heads=kv_heads, head_dim=dim, window=window, slots=slots, dtype=stored, compute_dtype=compute
+        layers=1,
+        kv_heads=kv_heads,
+        head_dim=dim,
+        window=window,
+        slots=slots,
+        dtype=stored,
+        compute_dtype=compute,
+        device=device,
     )
-    pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
-    pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen).to(device))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen).to(device))
     scale = 1 / math.sqrt(dim)
     out = {}
     for rows in ATTENTION_ROWS:
@@ -141,13 +154,15 @@ def attention_ms(config: LlamaConfig, stored: torch.dtype, compute: torch.dtype)
         plan = state.plan(1, rope, config.n_heads // kv_heads)
         for sessions in ATTENTION_SESSIONS:
             batch = DecodeBatch.build(pool, list(range(sessions)), [plan] * sessions)
-            q = torch.randn(sessions, config.n_heads, dim, generator=gen).to(stored)
-            k, v = (torch.randn(sessions, kv_heads, dim, generator=gen).to(stored) for _ in range(2))
+            q = torch.randn(sessions, config.n_heads, dim, generator=gen).to(device, stored)
+            k, v = (torch.randn(sessions, kv_heads, dim, generator=gen).to(device, stored) for _ in range(2))
             batch.attend(pool, 0, q, k, v, scale, window.sink_tokens)  # (warm)
             best = math.inf
             for _ in range(5):
+                synchronize(device)
                 t0 = time.perf_counter()
                 batch.attend(pool, 0, q, k, v, scale, window.sink_tokens)
+                synchronize(device)
                 best = min(best, time.perf_counter() - t0)
             out[f"{sessions}x{rows}"] = round(1000 * best, 3)
     return out
@@ -166,7 +181,7 @@ def attention_choice(measured: Mapping[str, Mapping[str, float]]) -> dict[str, s
 
 def perplexity(model: Transformer, ids: list[int]) -> float:
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).float()
+        logits = model(torch.tensor([ids])).float().cpu()
     return math.exp(float(F.cross_entropy(logits[0, :-1], torch.tensor(ids[1:]))))
 
 
@@ -177,21 +192,29 @@ def tuned_model(
     setting: str,
     model_id: str,
     blocks: Mapping[str, FourBitBlocks] | None = None,
+    device: torch.device | None = None,
 ) -> tuple[Transformer, Tuning]:
     """The model in the dtype `setting` asks for ("auto": the faster that keeps the perplexity), with its
-    decode kernel measured (or taken from the cache, re-checked). `blocks`: the weights' 4-bit form, where
-    the model came in one ("int4" is offered only then)."""
+    decode kernel measured (or taken from the cache, re-checked), on `device` (default the CPU). `blocks`:
+    the weights' 4-bit form, where the model came in one ("int4", a CPU kernel, is offered only then, and
+    only on the CPU)."""
     t0 = time.perf_counter()
+    device = device or torch.device("cpu")
     blocks = blocks or {}
     four_bit = all(name in blocks for name in four_bit_names(config))
     if setting == "int4" and not four_bit:
         raise EngineError(
             f"dialog.dtype = int4 needs a model stored in 4 bits (a Q4_0 or Q4_1 GGUF); {model_id} is not"
         )
-    path = _cache_path(setting, model_id)
+    if setting == "int4" and device.type != "cpu":
+        raise EngineError(f"dialog.dtype = int4 is a CPU kernel; on {device} use auto, float32 or bfloat16")
+    four_bit = four_bit and device.type == "cpu"
+    where = describe(device)
+    path = _cache_path(setting, model_id, where)
     tuning = _read(path, setting)
     if tuning is not None and (tuning.dtype != "int4" or four_bit):
-        model, kernel = _build(config, weights, tuning.dtype, blocks, tuning.tiles)
+        tuning.device = where
+        model, kernel = _build(config, weights, tuning.dtype, blocks, tuning.tiles, device)
         sizes = tuning.tiles or ()
         layers = [(w, b) for w, b, _ in model.decode_layers()]
         if not sizes or invariant_tiles(layers, sizes, linear=kernel.plain) == sizes:
@@ -201,11 +224,11 @@ def tuned_model(
             return model, tuning
         log.info("dialog kernel cache is stale (tiles %s no longer invariant): measuring again", sizes)
     offered = [n for n in DTYPES if n != "int4" or four_bit] if setting == "auto" else [setting]
-    tuning = Tuning(dtype=offered[0], tiles=(), setting=setting, dtypes_offered=offered)
+    tuning = Tuning(dtype=offered[0], tiles=(), setting=setting, dtypes_offered=offered, device=where)
     models: dict[str, Transformer] = {}
     kernels: dict[str, DecodeLinear] = {}
     for name in offered:
-        model, plain = _build(config, weights, name, blocks, ())
+        model, plain = _build(config, weights, name, blocks, (), device)
         choice = choose(model.decode_layers(), model.decode_weights(), plain.int4)
         models[name], kernels[name] = model, choice.kernel
         tuning.step_ms[name] = {k: {n: round(v, 3) for n, v in ms.items()} for k, ms in choice.step_ms.items()}
@@ -221,7 +244,7 @@ def tuned_model(
     model.decode_linear = kernels[tuning.dtype]
     if DTYPES[tuning.dtype] != torch.float32:
         stored = DTYPES[tuning.dtype]
-        tuning.attention_ms = {name: attention_ms(config, stored, dtype) for name, dtype in ARITHMETIC.items()}
+        tuning.attention_ms = {name: attention_ms(config, stored, dtype, device) for name, dtype in ARITHMETIC.items()}
         tuning.attention = attention_choice(tuning.attention_ms)
     model.attention_dtypes = {int(rows): ARITHMETIC[name] for rows, name in tuning.attention.items()}
     tuning.seconds = time.perf_counter() - t0
@@ -242,9 +265,10 @@ def _build(
     name: str,
     blocks: Mapping[str, FourBitBlocks],
     tiles: tuple[int, ...],
+    device: torch.device | None = None,
 ) -> tuple[Transformer, DecodeLinear]:
     """The model for dtype `name`, and its decode kernel with these tiles (4-bit weights packed for int4)."""
-    model = Transformer.from_state_dict(config, weights, DTYPES[name])
+    model = Transformer.from_state_dict(config, weights, DTYPES[name], device or "cpu")
     int4 = model.pack_int4({n: blocks[n] for n in four_bit_names(config)}) if name == "int4" else {}
     return model, DecodeLinear(tiles, int4)
 
@@ -262,10 +286,11 @@ def _cpu() -> str:
     return f"{name.group(1) if name else '?'}|{flags.group(1) if flags else ''}"
 
 
-def _cache_path(setting: str, model_id: str) -> Path:
+def _cache_path(setting: str, model_id: str, device: str = "cpu") -> Path:
     from duplexd.dialog.models import model_cache_dir
 
-    key = json.dumps([FORMAT, torch.__version__, _cpu(), torch.get_num_threads(), model_id, setting])
+    where = _cpu() if device == "cpu" else device
+    key = json.dumps([FORMAT, torch.__version__, where, torch.get_num_threads(), model_id, setting])
     return model_cache_dir() / "tuning" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

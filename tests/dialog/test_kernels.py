@@ -199,7 +199,7 @@ def test_a_bfloat16_models_attention_computes_in_the_dtype_measured_faster_at_ea
 ) -> None:
     config, weights, tokenizer, _ = loaded
 
-    def measured(config, stored, compute):  # type: ignore[no-untyped-def]
+    def measured(config, stored, compute, device=None):  # type: ignore[no-untyped-def]
         def ms(sessions: int, rows: int) -> float:
             fast = (compute == torch.float32) == (rows <= float32_up_to)
             return sessions * rows * (0.001 if fast else 0.003)
