@@ -423,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
     )
     p.add_argument("--quick", action="store_true", help="fewer clips and shorter streams (a smoke run)")
+    p.add_argument("--device", default="cpu", help="llm: where the engine and its baselines run (cpu, cuda)")
     p.add_argument(
         "--remote-llm",
         action="store_true",

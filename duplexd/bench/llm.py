@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from duplexd.dialog.attention import attend_one
+from duplexd.dialog.device import describe, synchronize, torch_device
 from duplexd.dialog.gguf_weights import ChatTokenizer, LlamaConfig, open_gguf, read_config, read_tokenizer
 from duplexd.dialog.kv_window import KvPool, Plan, RopeTable, WindowConfig, WindowState
 from duplexd.dialog.model import Transformer
@@ -121,13 +122,17 @@ def matmul_shapes(config: LlamaConfig) -> list[tuple[int, int]]:
     return layer * config.n_layers + [(config.vocab, config.dim)]
 
 
-def _median_s(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+def _median_s(fn: Callable[[], object], warmup: int, repeats: int, device: torch.device | None = None) -> float:
+    """Median wall seconds of `fn()` (on a GPU, its queued work waited for before and after each call)."""
+    device = device or torch.device("cpu")
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -140,6 +145,7 @@ def matmul_bound_tok_s(
     *,
     warmup: int = 1,
     repeats: int = 5,
+    device: torch.device | None = None,
 ) -> dict[int, float]:
     """Tokens/s of the weight matmuls alone: `B / (median time of one decode step's matmuls with B rows)`.
 
@@ -149,18 +155,19 @@ def matmul_bound_tok_s(
     `torch.bmm(x[B, 1, K], W.t().expand(B, -1, -1))`, which computes each row alone (the engine's
     batch-invariant decode kernel: a row's result never depends on the other rows). Attention, norms and
     everything else are left out, so this bounds from above what an engine using that kernel can reach.
-    `config` defaults to the dialog model's (`model_config()`).
+    `config` defaults to the dialog model's (`model_config()`); `device` to the CPU.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    device = device or torch.device("cpu")
     shapes = matmul_shapes(config if config is not None else model_config())
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.empty(n, k, dtype=dtype).uniform_(-0.05, 0.05, generator=gen) for n, k in shapes]
+    weights = [torch.empty(n, k, dtype=dtype).uniform_(-0.05, 0.05, generator=gen).to(device) for n, k in shapes]
     result: dict[int, float] = {}
     for batch in batch_sizes:
         if batch <= 0:
             raise ValueError(f"batch sizes must be positive, got {batch}")
-        rows = {k: torch.randn(batch, k, generator=gen).to(dtype) for k in {k for _, k in shapes}}
+        rows = {k: torch.randn(batch, k, generator=gen).to(device, dtype) for k in {k for _, k in shapes}}
 
         def step(rows: dict[int, torch.Tensor] = rows, batch: int = batch) -> None:
             with torch.inference_mode():
@@ -171,7 +178,7 @@ def matmul_bound_tok_s(
                     else:
                         torch.bmm(x[:, None, :], w.t().expand(batch, -1, -1))
 
-        result[batch] = batch / _median_s(step, warmup, repeats)
+        result[batch] = batch / _median_s(step, warmup, repeats, device)
     return result
 
 
@@ -213,6 +220,7 @@ def hf_generate_tok_s(
     new_tokens: int = 64,
     repeats: int = 3,
     path: Path | None = None,
+    device: torch.device | None = None,
 ) -> float:
     """Decode tok/s of transformers' own `generate` on the same GGUF (batch 1, float32, greedy, no prefill).
 
@@ -227,11 +235,14 @@ def hf_generate_tok_s(
     import accelerate  # noqa: F401  # transformers needs it to load a GGUF file
     import transformers  # test-only dependency, imported lazily
 
+    device = device or torch.device("cpu")
     path = path if path is not None else gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    ids = torch.tensor([list(prompt_ids)])
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        .to(device)
+        .eval()
+    )
+    ids = torch.tensor([list(prompt_ids)], device=device)
     pad = model.generation_config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
 
@@ -248,8 +259,8 @@ def hf_generate_tok_s(
         if out.shape[1] != ids.shape[1] + n:
             raise RuntimeError(f"generate made {out.shape[1] - ids.shape[1]} tokens, asked for {n}")
 
-    first = _median_s(lambda: generate(1), warmup=1, repeats=repeats)
-    full = _median_s(lambda: generate(new_tokens + 1), warmup=0, repeats=repeats)
+    first = _median_s(lambda: generate(1), warmup=1, repeats=repeats, device=device)
+    full = _median_s(lambda: generate(new_tokens + 1), warmup=0, repeats=repeats, device=device)
     return new_tokens / (full - first)
 
 
@@ -392,6 +403,7 @@ def sequence_nll(model: Transformer, tokens: Sequence[int], window: WindowConfig
         window=window,
         slots=1,
         dtype=model.tok_embeddings.weight.dtype,
+        device=model.device,
     )
     state = WindowState(window)
     rope = RopeTable(mc.head_dim, mc.rope_theta, cached=len(tokens))
@@ -401,11 +413,14 @@ def sequence_nll(model: Transformer, tokens: Sequence[int], window: WindowConfig
     for start in range(0, len(tokens) - 1, chunk):
         piece = ids[start : start + chunk]
         plan = state.plan(len(piece), rope, mc.n_heads // mc.n_kv_heads)
+        on_device = plan.to(model.device)
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan = plan) -> torch.Tensor:
+        def attend(
+            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan = on_device
+        ) -> torch.Tensor:
             return attend_one(pool.k[layer, 0], pool.v[layer, 0], q, k, v, plan, scale, window.sink_tokens)
 
-        logits = model.step(piece, attend, None)
+        logits = model.step(piece, attend, None).cpu()
         state.commit(plan)
         targets = ids[start + 1 : start + 1 + len(piece)]
         logp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
@@ -415,7 +430,11 @@ def sequence_nll(model: Transformer, tokens: Sequence[int], window: WindowConfig
 
 
 def _engine_parts(
-    tokenizer: ChatTokenizer, quick: bool, skipped: dict[str, str], phases: dict[str, dict[str, float | None]]
+    tokenizer: ChatTokenizer,
+    quick: bool,
+    skipped: dict[str, str],
+    phases: dict[str, dict[str, float | None]],
+    device: str = "cpu",
 ) -> dict[str, Any]:
     keys = (
         "config",
@@ -436,7 +455,7 @@ def _engine_parts(
 
     rss = {"before_load": rss_mb()}
     with _phase("engine: load", phases):
-        engine = DialogEngine.load(EngineConfig(max_sessions=max(SESSION_COUNTS)))  # (the default window)
+        engine = DialogEngine.load(EngineConfig(max_sessions=max(SESSION_COUNTS), device=device))  # (default window)
     rss["after_load"] = rss_mb()
     pool = getattr(engine, "pool", None)  # not in the engine contract: reported when present
     kv_pool_mb = None if pool is None else (pool.k.nbytes + pool.v.nbytes) / (1 << 20) / max(SESSION_COUNTS)
@@ -585,10 +604,12 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_llm_bench(out: Path, quick: bool, threads: int = THREADS) -> dict[str, Any]:
-    """Measure everything, write the JSON result to `out`, print a short table, return the result."""
+def run_llm_bench(out: Path, quick: bool, threads: int = THREADS, device_name: str = "cpu") -> dict[str, Any]:
+    """Measure everything, write the JSON result to `out`, print a short table, return the result. Every
+    part runs on `device_name` (`dialog.device`: the engine, its baselines and the matmul bounds)."""
+    device = torch_device(device_name)
     torch.set_num_threads(threads)
-    machine = machine_info()  # before the run, so its load average shows other processes only
+    machine = machine_info() | {"device": describe(device)}  # (before the run: the load average is others')
     reader = open_gguf(gguf_path())
     config = read_config(reader)
     tokenizer = read_tokenizer(reader)
@@ -608,18 +629,19 @@ def run_llm_bench(out: Path, quick: bool, threads: int = THREADS) -> dict[str, A
         for name, dtype in DTYPES.items():
             with _phase(f"matmul bound: {kernel} {name}", phases):
                 matmul.setdefault(kernel, {})[name] = matmul_bound_tok_s(
-                    SESSION_COUNTS, dtype, kernel, config, repeats=1 if quick else 5
+                    SESSION_COUNTS, dtype, kernel, config, repeats=1 if quick else 5, device=device
                 )
-    with _phase("matmul bound: gemm int4", phases):
-        matmul["gemm"]["int4"] = int4_bound_tok_s(SESSION_COUNTS, config, repeats=1 if quick else 5)
+    if device.type == "cpu":  # (torch's int4 kernel here is a CPU one; the engine offers int4 on the CPU only)
+        with _phase("matmul bound: gemm int4", phases):
+            matmul["gemm"]["int4"] = int4_bound_tok_s(SESSION_COUNTS, config, repeats=1 if quick else 5)
 
-    engine = _engine_parts(tokenizer, quick, skipped, phases)
+    engine = _engine_parts(tokenizer, quick, skipped, phases, device_name)
 
     hf: float | None = None
     with _phase("transformers generate", phases):
         try:
             prompt_ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": PROMPT}]))
-            hf = hf_generate_tok_s(prompt_ids, repeats=1 if quick else 3)
+            hf = hf_generate_tok_s(prompt_ids, repeats=1 if quick else 3, device=device)
         except ImportError as exc:
             skipped["hf_generate_tok_s"] = f"transformers baseline not installed ({exc}); pip install duplexd[test]"
 
@@ -640,5 +662,5 @@ def run_llm_bench(out: Path, quick: bool, threads: int = THREADS) -> dict[str, A
 
 
 def main(args: argparse.Namespace) -> int:
-    run_llm_bench(args.out, args.quick)
+    run_llm_bench(args.out, args.quick, device_name=getattr(args, "device", "cpu"))
     return 0
