@@ -25,7 +25,9 @@ SILENCE_16K_20MS = np.zeros(320, np.int16).tobytes()
 
 
 async def test_tokens_over_a_lossy_datagram_path_render_the_whole_reply(make_server, clip_by_name) -> None:
-    srv = await make_server()
+    # A story, not a two-sentence answer: the loss must hit tokens both ways (a 4-token reply, "A new home.",
+    # sent 4 packets down and none was lost at this seed).
+    srv = await make_server(sc.storyteller(max_reply_tokens=40, speed=1.0))
     client = await StreamClient.connect(srv.url)
     started = await client.start(sc.RATE, dialog=True, datagram=True)
     d = started["datagram"]
