@@ -196,6 +196,7 @@ class _Session:
     answering: tuple[int, ...] = ()  # the user's words the reply answers (the guard's copy rule)
     replying: bool = False
     reply: list[int] = field(default_factory=list)
+    reply_stats: list[TokenStats | None] = field(default_factory=list)  # per reply token (None: given, or not kept)
     reply_text: ReplyText | None = None  # `reply` decoded, as far as it matches (see `_reply_text`)
     reply_start: int = 0  # token index of the first reply token
     p_end_of_turn: float | None = None
@@ -252,6 +253,7 @@ class DialogEngine:
         self.step_samples: deque[tuple[float, int, int]] = deque(maxlen=4096)
         # How this CPU runs the model (dtype, decode kernel: `tuning`), for /healthz; None if built by hand.
         self.tuning: dict[str, object] | None = None
+        self.record_stats = False  # keep each picked reply token's `TokenStats` (the relay's prefix rule)
 
     @classmethod
     def load(cls, config: EngineConfig | None = None) -> DialogEngine:
@@ -339,6 +341,7 @@ class DialogEngine:
             answering=parent.answering,
             replying=parent.replying,
             reply=list(parent.reply),
+            reply_stats=list(parent.reply_stats),
             reply_start=parent.reply_start,
             p_end_of_turn=parent.p_end_of_turn,
             reply_cap=parent.reply_cap,
@@ -419,6 +422,11 @@ class DialogEngine:
     def reply_tokens(self, sid: int) -> list[int]:
         return list(self._get(sid).reply)
 
+    def reply_stats(self, sid: int) -> list[TokenStats | None]:
+        """How sure the model was of each reply token it picked (`record_stats`; None for tokens given as a
+        prefix, or picked while not recording)."""
+        return list(self._get(sid).reply_stats)
+
     def busy(self, *, drafts: bool = True) -> bool:
         """Any session has work to step (`drafts=False`: any but drafts)."""
         return any(self._has_work(s) for s in self._sessions.values() if drafts or s.priority is Priority.NORMAL)
@@ -474,6 +482,7 @@ class DialogEngine:
         if prefix:
             session.reply = self.tokenizer.encode(prefix)
             self._queue(session, list(session.reply))
+        session.reply_stats = [None] * len(session.reply)
 
     def append_assistant_text(self, sid: int, text: str) -> None:
         """A whole earlier assistant turn, for a conversation replayed from its transcript (an OpenAI-style
@@ -507,7 +516,7 @@ class DialogEngine:
         session.cuts.clear()
         session.log.clear()
         session.key = _chain(session.key, ("rewrite",))
-        session.user_open, session.answering, session.reply = False, (), []
+        session.user_open, session.answering, session.reply, session.reply_stats = False, (), [], []
         session.user_words.clear()
         session.p_end_of_turn = None
         self._queue(session, system)
@@ -546,6 +555,7 @@ class DialogEngine:
             while session.log and session.log[-1][0] >= cut:
                 session.log.pop()
             del session.reply[heard:]
+            del session.reply_stats[heard:]
             self._finish_reply(session)  # (its end marker, then the user's words again)
             self._queue(session, followed)
             session.p_end_of_turn = None
@@ -563,6 +573,7 @@ class DialogEngine:
             session.cuts.clear()
             self._queue(session, session.reply[ingested:heard])
         del session.reply[heard:]
+        del session.reply_stats[heard:]
         self._finish_reply(session)
 
     def _followed_reply(self, session: _Session, after_reply: int) -> list[int] | None:
@@ -676,7 +687,7 @@ class DialogEngine:
             if session.user_open:
                 session.p_end_of_turn = float(torch.softmax(logits.float(), -1)[self.format.end_of_turn_id])
             return None
-        token = self._choose(session, logits)
+        token, stats = self._choose(session, logits)
         if token in (self.format.end_of_turn_id, self.tokenizer.eos_id):
             self._finish_reply(session)
             return None
@@ -687,6 +698,7 @@ class DialogEngine:
             self._finish_reply(session)
             return None
         session.reply.append(token)
+        session.reply_stats.append(stats)
         text.append(token)
         self._queue(session, [token])
         if keep is not None or len(session.reply) >= session.reply_cap:
@@ -701,16 +713,18 @@ class DialogEngine:
             text = session.reply_text = ReplyText(self.tokenizer.decode, session.reply)
         return text
 
-    def _choose(self, session: _Session, logits: Tensor) -> int:
-        """The reply's next token: greedy, among those the repetition guard allows. This is the one place a
-        reply or draft token is picked; it reads nothing but the conversation's own tokens."""
+    def _choose(self, session: _Session, logits: Tensor) -> tuple[int, TokenStats | None]:
+        """The reply's next token: greedy, among those the repetition guard allows, and how sure the model
+        was of it (`record_stats`). This is the one place a reply or draft token is picked; it reads
+        nothing but the conversation's own tokens."""
         banned = banned_tokens(
             session.reply, session.answering, self.config.no_repeat_ngram_tokens, self.config.no_copy_ngram_tokens
         )
         banned.difference_update((self.format.end_of_turn_id, self.tokenizer.eos_id))  # (ending is always allowed)
         if banned:
             logits = logits.index_fill(0, torch.tensor(sorted(banned), dtype=torch.long), float("-inf"))
-        return int(logits.argmax())
+        token = int(logits.argmax())
+        return token, token_stats(logits, token) if self.record_stats else None
 
     def _finish_reply(self, session: _Session) -> None:
         session.replying = False
@@ -721,6 +735,25 @@ class DialogEngine:
             return self._sessions[sid]
         except KeyError:
             raise UnknownSession(f"no dialog session {sid}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStats:
+    """How sure the model was of a token it picked: the token's log-probability, the entropy of the
+    distribution it came from (nats), and the margin between the two likeliest tokens' probabilities."""
+
+    logprob: float
+    entropy: float
+    margin: float
+
+
+def token_stats(logits: Tensor, token: int) -> TokenStats:
+    """`TokenStats` of `token` under `logits` (banned tokens at -inf count as probability 0)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    p = logp.exp()
+    entropy = float(-(p * logp.nan_to_num(neginf=0.0)).sum())
+    top = p.topk(2).values
+    return TokenStats(float(logp[token]), entropy, float(top[0] - top[1]))
 
 
 def _view(session: _Session) -> SessionView:
