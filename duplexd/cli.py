@@ -38,7 +38,11 @@ def load_engines(config: ServerConfig):
         from duplexd.tts.engine import load_tts
 
         turn_audio = load_turn_audio(config.turn.audio_model)
-        if config.dialog.backend == "remote" and config.dialog.turn_model:
+        if config.dialog.mode == "relay":  # the local model speaks first, the remote one continues
+            from duplexd.dialog.relay import RelayDialogEngine
+
+            dialog = RelayDialogEngine.from_config(config.dialog, config.relay)
+        elif config.dialog.backend == "remote" and config.dialog.turn_model:
             from duplexd.dialog.turn_scorer import TurnScoredEngine  # (the local model scores the turns)
 
             dialog = TurnScoredEngine.from_config(config.dialog)

@@ -263,9 +263,17 @@ class DialogConfig:
     remote_history_chars: int = 4000
     """Most characters of earlier turns sent with each remote request (the oldest turns go first): the
     remote server owns its context window, so the history this side keeps must be bounded here."""
+    mode: str = "direct"
+    """`direct`: every reply comes from the backend. `relay` (with `backend = "remote"`): the local model
+    (`[relay] model`) speaks a reply's first words at once, where it is sure of them (`[relay]`), and the
+    remote model continues from exactly those words (`dialog/relay.py`)."""
 
     def __post_init__(self) -> None:
         _require(self.backend in ("local", "remote"), "dialog.backend", self.backend, "local or remote")
+        _require(self.mode in ("direct", "relay"), "dialog.mode", self.mode, "direct or relay")
+        _require(
+            self.mode != "relay" or self.backend == "remote", "dialog.mode", self.mode, 'direct with backend "local"'
+        )
         if self.backend == "remote":
             _require(
                 self.remote_url.startswith(("http://", "https://")),
@@ -429,6 +437,34 @@ class TtsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """`[dialog] mode = "relay"`: which first words of a reply the local model may speak for the remote one.
+
+    Each of the local model's tokens is accepted while its probability is at least `min_prob`, the
+    entropy of its distribution at most `max_entropy` nats and the gap between the two likeliest tokens'
+    probabilities at least `min_margin` (RelayS2S's verifier reads the same three statistics); the prefix
+    is the whole words before the first token that fails, at most `prefix_words` of them. None accepted:
+    the reply is the remote model's alone. Defaults: starting points, not tuned (the remote model here is
+    the same SmolLM2, so what a bigger model would have said differently cannot be measured here)."""
+
+    model: str = "smollm2"
+    """The local model that speaks first (any `[dialog] model` value)."""
+    prefix_words: int = 5
+    min_prob: float = 0.3
+    max_entropy: float = 2.5
+    min_margin: float = 0.1
+    context_turns: int = 4
+    """Earlier turns (of the remote conversation's transcript) the local model reads before each turn."""
+
+    def __post_init__(self) -> None:
+        _require(self.prefix_words >= 1, "relay.prefix_words", self.prefix_words, ">= 1")
+        _require(0.0 <= self.min_prob <= 1.0, "relay.min_prob", self.min_prob, "in [0, 1]")
+        _require(self.max_entropy >= 0.0, "relay.max_entropy", self.max_entropy, ">= 0")
+        _require(0.0 <= self.min_margin <= 1.0, "relay.min_margin", self.min_margin, "in [0, 1]")
+        _require(self.context_turns >= 0, "relay.context_turns", self.context_turns, ">= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class SpeculationConfig:
     """Speculative listening (`[speculation]`): draft the reply while the user pauses, use it if they said
     exactly what the draft assumed (lossless: the reply is token for token the one made without it)."""
@@ -544,6 +580,7 @@ class ServerConfig:
     vad: VadConfig = field(default_factory=VadConfig)
     asr: AsrConfig = field(default_factory=AsrConfig)
     dialog: DialogConfig = field(default_factory=DialogConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
     turn: TurnConfig = field(default_factory=TurnConfig)
     tts: TtsConfig = field(default_factory=TtsConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)

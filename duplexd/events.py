@@ -87,6 +87,19 @@ class ReplyStarted:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplyRelayed:
+    """`dialog.mode = "relay"`: the reply's first words, `text`, are the local model's (`model`), decided
+    `decided_ms` after it began the reply (at the turn's end, or at the pause for a draft); the rest of the
+    reply is the remote model's (`remote_model`) continuation of them. Empty `text`: all of it is."""
+
+    reply: int
+    text: str
+    model: str
+    remote_model: str
+    decided_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class ReplySpeculation:
     """How speculative listening served a reply: drafts made while the user paused, and whether one was
     exactly this reply's start (`hit`: its `draft_tokens` were ready when the turn ended)."""
@@ -155,6 +168,7 @@ Event = (
     | TurnEnded
     | ReplyStarted
     | ReplySpeculation
+    | ReplyRelayed
     | ReplyDelta
     | ReplyDone
     | ReplyPaused

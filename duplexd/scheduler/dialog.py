@@ -119,6 +119,10 @@ class DialogClient(Protocol):
         """At the start of `reply`: how many drafts were made for it, whether one was used, and how many
         of its tokens it brought."""
 
+    def on_relay(self, reply: int, text: str, model: str, remote_model: str, decided_ms: float) -> None:
+        """`dialog.mode = "relay"`: `reply`'s first words `text` are the local `model`'s (decided
+        `decided_ms` after it began), the rest the remote model's (`events.ReplyRelayed`)."""
+
 
 @dataclass(slots=True)
 class SpeculationStats:
@@ -590,6 +594,8 @@ class DialogWorker:
                     self._emit(sid, entry.client.on_draft, draft.texts[:n])
             if entry.reply is not None:
                 assert entry.text is not None
+                if (relayed := self._relayed(sid)) is not None:  # (before the words it tells of)
+                    self._emit(sid, entry.client.on_relay, entry.reply, *relayed)
                 tokens = engine.reply_tokens(sid)
                 done = not engine.replying(sid)
                 if len(tokens) > entry.reported or done:
@@ -606,6 +612,11 @@ class DialogWorker:
                     entry.p_version = entry.version
                     self._emit(sid, entry.client.on_p_end, p, entry.version)
         self._ready = ready  # (before the callbacks run: a client may end its turn from one)
+
+    def _relayed(self, sid: int) -> tuple[str, str, str, float] | None:
+        """`dialog.mode = "relay"`: the reply's local prefix, once decided (`RelayDialogEngine.take_relayed`)."""
+        take = getattr(self.engine, "take_relayed", None)
+        return None if take is None else take(sid)
 
     def _head_start_due(self) -> bool:
         """A draft still short of its head start (see `SpeculationConfig.head_start_tokens`) may step."""

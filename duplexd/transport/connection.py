@@ -25,6 +25,7 @@ from duplexd.asr.echo import EchoCanceller, FarEnd
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
 from duplexd.events import (
     Event,
+    ReplyRelayed,
     ReplySpeculation,
 )
 from duplexd.streaming import conversation as cv
@@ -378,6 +379,9 @@ class Connection:
 
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
         self.codec.event(ReplySpeculation(reply, drafts, hit, draft_tokens))
+
+    def on_relay(self, reply: int, text: str, model: str, remote_model: str, decided_ms: float) -> None:  # DialogClient
+        self.codec.event(ReplyRelayed(reply, text, model, remote_model, decided_ms))
 
     # -- inbound ------------------------------------------------------------------------------------
 

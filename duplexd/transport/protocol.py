@@ -40,6 +40,7 @@ class ServerType(StrEnum):
     TURN_ENDED = "turn.ended"
     REPLY_STARTED = "reply.started"
     REPLY_SPECULATION = "reply.speculation"
+    REPLY_RELAYED = "reply.relayed"
     REPLY_DELTA = "reply.delta"
     REPLY_DONE = "reply.done"
     REPLY_PAUSED = "reply.paused"
@@ -273,6 +274,15 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
             return {"type": ServerType.REPLY_STARTED, "reply": r}
         case ev.ReplySpeculation(reply=r, drafts=drafts, hit=hit, draft_tokens=n):
             return {"type": ServerType.REPLY_SPECULATION, "reply": r, "drafts": drafts, "hit": hit, "draft_tokens": n}
+        case ev.ReplyRelayed(reply=r, text=text, model=model, remote_model=remote, decided_ms=ms):
+            return {
+                "type": ServerType.REPLY_RELAYED,
+                "reply": r,
+                "text": text,
+                "model": model,
+                "remote_model": remote,
+                "decided_ms": round(ms, 1),
+            }
         case ev.ReplyDelta(reply=r, text=text):
             return {"type": ServerType.REPLY_DELTA, "reply": r, "text": text}  # the shell adds its token_seq
         case ev.ReplyDone(reply=r, text=text, audio_ms=ms):

@@ -105,6 +105,9 @@ class _Reply:
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:  # DialogClient
         pass
 
+    def on_relay(self, reply: int, text: str, model: str, remote_model: str, decided_ms: float) -> None:  # DialogClient
+        pass
+
     def finish(self, status: str, reason: str | None) -> None:
         """The response ends (`completed`, or `incomplete` / `cancelled` before its end): its dialog
         session is closed, and its last events go out."""

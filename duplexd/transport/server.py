@@ -288,6 +288,8 @@ class Server:
             "llm_engine": None if self.dialog is None else self.dialog.engine.tuning,
             # (the remote backend with `dialog.turn_model`: the local model scoring P(end of turn))
             "turn_scorer": self._turn_scorer(),
+            # (`dialog.mode = "relay"`: the local model that speaks replies' first words, and how often it did)
+            "relay": self._relay(),
             "turn_audio": None if self.turn_audio is None else self.turn_audio.report(),
             "llm_steps": None if self.dialog is None else self.dialog.step_times(),
             "threads": self.threads(),
@@ -309,6 +311,12 @@ class Server:
 
         engine = None if self.dialog is None else self.dialog.engine
         return engine.scorer_report() if isinstance(engine, TurnScoredEngine) else None
+
+    def _relay(self) -> dict[str, object] | None:
+        from duplexd.dialog.relay import RelayDialogEngine
+
+        engine = None if self.dialog is None else self.dialog.engine
+        return engine.relay_report() if isinstance(engine, RelayDialogEngine) else None
 
     # -- WebSocket ----------------------------------------------------------------------------------
 

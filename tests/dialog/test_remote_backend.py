@@ -67,6 +67,7 @@ class Client:
         self.texts: dict[int, list[str]] = {}
         self.done: dict[int, asyncio.Event] = {}
         self.p_ends: list[float] = []
+        self.relayed: dict[int, str] = {}  # reply -> the local model's prefix (`dialog.mode = "relay"`)
 
     def event(self, reply: int) -> asyncio.Event:
         return self.done.setdefault(reply, asyncio.Event())
@@ -84,6 +85,9 @@ class Client:
 
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:
         pass
+
+    def on_relay(self, reply: int, text: str, model: str, remote_model: str, decided_ms: float) -> None:
+        self.relayed[reply] = text
 
 
 async def until(condition: object, timeout_s: float = 60.0) -> None:

@@ -220,6 +220,17 @@ ENCODED = [
         ev.ReplySpeculation(reply=2, drafts=2, hit=True, draft_tokens=16),
         {"type": "reply.speculation", "reply": 2, "drafts": 2, "hit": True, "draft_tokens": 16},
     ),
+    (
+        ev.ReplyRelayed(reply=2, text="It is", model="smollm2", remote_model="big", decided_ms=81.26),
+        {
+            "type": "reply.relayed",
+            "reply": 2,
+            "text": "It is",
+            "model": "smollm2",
+            "remote_model": "big",
+            "decided_ms": 81.3,
+        },
+    ),
     (ev.ReplyDelta(reply=2, text=" It is"), {"type": "reply.delta", "reply": 2, "text": " It is"}),
     (
         ev.ReplyDone(reply=2, text="It is noon.", audio_ms=1234.56),

@@ -1,0 +1,182 @@
+"""`[dialog] mode = "relay"`: the local SmolLM2 speaks a reply's first words, a real `duplexd serve-llm` continues
+from exactly those words (RelayS2S's dual path; `dialog/relay.py`).
+
+The remote model here is the same SmolLM2 (float32 on both sides), so a relayed reply must be, token for
+token, the reply either model gives alone: any word dropped, repeated or changed at the seam shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from duplexd.commands import AppendUserText, InterruptReply, StartReply
+from duplexd.config import DialogConfig, RelayConfig, SpeculationConfig
+from duplexd.dialog.engine import DialogEngine, EngineConfig, TokenStats, token_stats
+from duplexd.dialog.relay import PREFIX_TOKENS, RelayDialogEngine, accept_prefix, sure
+from duplexd.scheduler.dialog import DialogWorker
+from tests.dialog.test_remote_backend import DTYPE, TURNS, Client, remote_engine, until
+from tests.dialog.test_remote_backend import llm_url as llm_url  # (the module's serve-llm fixture)
+from tests.dialog.test_remote_backend import local as local  # (llm_url needs it)
+
+SURE = TokenStats(logprob=-0.01, entropy=0.1, margin=0.98)
+UNSURE = TokenStats(logprob=-2.3, entropy=3.5, margin=0.02)  # p 0.10
+ANY = RelayConfig(min_prob=0.0, max_entropy=1e9, min_margin=0.0)  # every picked token passes
+NONE = RelayConfig(min_prob=1.0)  # no token passes (p < 1 always)
+
+
+def _decode(pieces: list[str]):
+    return lambda ids: "".join(pieces[i] for i in ids)
+
+
+def test_the_prefix_is_the_whole_sure_words_at_most_prefix_words() -> None:
+    pieces = ["The", " capital", " of", " Fr", "ance", " is", " Paris", "."]
+    ids = list(range(len(pieces)))
+    rule = RelayConfig(prefix_words=3)
+    decode = _decode(pieces)
+    # Still deciding: every token sure, fewer than 3 complete words ("of" is not complete until a later token).
+    assert accept_prefix(ids[:3], [SURE] * 3, decode, rule, done=False) == ("", False)
+    assert accept_prefix(ids[:4], [SURE] * 4, decode, rule, done=False) == ("The capital of", True)
+    # An unsure token inside a word drops the whole word; one that starts a word keeps the words before it.
+    assert accept_prefix(ids[:5], [SURE] * 4 + [UNSURE], decode, RelayConfig(), done=False) == ("The capital of", True)
+    assert accept_prefix(ids[:2], [SURE, UNSURE], decode, rule, done=False) == ("The", True)
+    assert accept_prefix(ids[:1], [UNSURE], decode, rule, done=False) == ("", True)
+    # A reply that ended: its last word is complete; a token given (no stats) is not the local model's.
+    assert accept_prefix(ids[6:8], [SURE, SURE], decode, rule, done=True) == ("Paris.", True)
+    assert accept_prefix(ids[:2], [SURE, None], decode, rule, done=False) == ("The", True)
+    assert accept_prefix([], [], decode, rule, done=True) == ("", True)
+
+
+def test_a_token_is_sure_by_its_probability_entropy_and_margin() -> None:
+    import torch
+
+    rule = RelayConfig(min_prob=0.3, max_entropy=2.5, min_margin=0.1)
+    peaked = token_stats(torch.tensor([5.0, 0.0, 0.0, 0.0]), 0)
+    p = math.exp(5) / (math.exp(5) + 3)
+    assert sure(peaked, rule) and peaked.margin == pytest.approx(p - (1 - p) / 3, abs=1e-6)
+    assert peaked.logprob == pytest.approx(math.log(p), abs=1e-6)
+    flat = token_stats(torch.zeros(50), 0)  # p 0.02, entropy ln 50 = 3.9
+    assert not sure(flat, rule) and flat.entropy == pytest.approx(3.912, abs=1e-3)
+    tied = token_stats(torch.tensor([3.0, 3.0, -5.0]), 0)  # probable, but a coin toss with the next
+    assert not sure(tied, rule) and tied.margin == pytest.approx(0.0)
+    banned = token_stats(torch.tensor([2.0, float("-inf"), 0.0]), 0)  # (a banned token counts as p 0)
+    q = math.exp(2) / (math.exp(2) + 1)
+    assert banned.entropy == pytest.approx(-(q * math.log(q) + (1 - q) * math.log(1 - q)), abs=1e-6)
+    assert not sure(None, rule)
+
+
+def test_relay_needs_a_remote_backend() -> None:
+    with pytest.raises(ValueError, match="dialog.mode"):
+        DialogConfig(mode="relay")
+    with pytest.raises(ValueError, match="dialog.mode"):
+        DialogConfig(mode="both", backend="remote", remote_url="http://x/v1")
+    assert DialogConfig(mode="relay", backend="remote", remote_url="http://x/v1").mode == "relay"
+    with pytest.raises(ValueError, match="relay.prefix_words"):
+        RelayConfig(prefix_words=0)
+
+
+HEARD_WORDS = 1  # of the second reply, heard before the user talks over it
+
+
+async def converse_by_words(engine) -> tuple[list[str], Client]:  # type: ignore[no-untyped-def]
+    """`test_remote_backend.converse`, but the second reply is cut after its first `HEARD_WORDS` words, not
+    pieces: the relay's prefix comes as one piece a word, a remote server's text as tokens, and the heard
+    text must be the same for the next turn to read the same transcript."""
+    worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False))
+    task = asyncio.create_task(worker.run())
+    client = Client()
+    replies: list[str] = []
+    try:
+        sid = await asyncio.wait_for(worker.open(client), 10)
+        for n, text in enumerate(TURNS, start=1):
+            worker.submit(sid, AppendUserText(text, n))
+            worker.submit(sid, StartReply(n))
+            if n == 2:
+                await until(lambda: _words_heard(client) or client.event(2).is_set())
+                texts = client.texts[2]  # (texts[i]: the reply through its piece i)
+                heard = max(k + 1 for k, t in enumerate(texts) if len(t.split()) <= HEARD_WORDS)
+                worker.submit(sid, InterruptReply(2, heard))
+                replies.append(texts[heard - 1])
+            else:
+                await asyncio.wait_for(client.event(n).wait(), 60)
+                replies.append(client.texts[n][-1] if client.texts.get(n) else "")
+        worker.close(sid)
+        await until(lambda: engine.sessions == 0)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        worker.close_worker()
+    return replies, client
+
+
+def _words_heard(client: Client) -> bool:
+    """The second reply's first `HEARD_WORDS` words are complete (a later piece started another)."""
+    return any(len(t.split()) > HEARD_WORDS for t in client.texts.get(2, []))
+
+
+@pytest.fixture(scope="module")
+def speaker(gguf_file: Path) -> Iterator[DialogEngine]:  # (gguf_file: skipped where SmolLM2 cannot be fetched)
+    yield DialogEngine.load(EngineConfig(max_sessions=4, max_reply_tokens=PREFIX_TOKENS, dtype=DTYPE))
+
+
+def relay(url: str, speaker: DialogEngine, rule: RelayConfig) -> RelayDialogEngine:
+    for sid in list(speaker._sessions):  # (each test starts with the local engine empty)
+        speaker.close(sid)
+    return RelayDialogEngine(remote_engine(url), speaker, rule)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("rule", "prefixed"),
+    [(ANY, True), (dataclasses.replace(ANY, prefix_words=2), True), (RelayConfig(), None), (NONE, False)],
+    ids=["any-5-words", "any-2-words", "defaults", "none"],
+)
+async def test_a_relayed_conversation_is_the_conversation_either_model_has_alone(
+    llm_url: str, speaker: DialogEngine, rule: RelayConfig, prefixed: bool | None
+) -> None:
+    """Three turns, the second cut after its first word (inside the prefix): what the user hears, and the
+    transcript the next turn reads, are exactly the remote conversation's."""
+    expected, _ = await converse_by_words(remote_engine(llm_url))
+    engine = relay(llm_url, speaker, rule)
+    got, client = await converse_by_words(engine)
+    assert got == expected
+    stats = engine.relay_stats
+    assert stats["replies"] == len(TURNS) and sorted(client.relayed) == [1, 2, 3]  # (`reply.relayed`, each)
+    for n, text in client.relayed.items():  # the prefix is how the reply begins (`texts[i]`: through piece i)
+        assert client.texts[n][-1].startswith(text), (n, text, client.texts[n][-1])
+    if prefixed is True:
+        assert stats["with_prefix"] == len(TURNS) and engine.remote.continues is not False  # (never refused)
+        assert all(0 < len(t.split()) <= rule.prefix_words for t in client.relayed.values())
+    elif prefixed is False:
+        assert set(client.relayed.values()) == {""} and engine.remote.continues is None  # (never asked)
+
+
+@pytest.mark.slow
+async def test_the_local_model_gives_the_turn_signal_and_a_cut_prefix_leaves_nothing(
+    llm_url: str, speaker: DialogEngine
+) -> None:
+    engine = relay(llm_url, speaker, ANY)
+    sid = engine.open()
+    engine.append_user_text(sid, TURNS[0])
+    while engine.p_end_of_turn(sid) is None:
+        engine.step()
+    assert 0.0 < engine.p_end_of_turn(sid) < 1.0  # (SmolLM2's P(end of turn), as the local backend gives)
+    engine.start_reply(sid)
+    assert engine.replying(sid) and engine.reply_tokens(sid) == []  # (the prefix is being decoded)
+    engine.interrupt(sid, 0)  # talked over before a word was said
+    assert not engine.replying(sid)
+    assert engine.history(sid)[-2:] == [{"role": "user", "content": TURNS[0]}, {"role": "assistant", "content": ""}]
+    engine.append_user_text(sid, TURNS[2])
+    engine.start_reply(sid)
+    while engine.replying(sid):
+        engine.step()
+    reply = engine.tokenizer.decode(engine.reply_tokens(sid))
+    assert reply and engine.history(sid)[-1] == {"role": "assistant", "content": reply}
+    engine.close(sid)
+    assert engine.sessions == 0 and not speaker._sessions
