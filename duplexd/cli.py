@@ -285,6 +285,7 @@ BENCHMARKS = {  # `duplexd bench NAME`: the module whose `main(args)` runs it
     "voice": "duplexd.bench.voice",
     "speculation": "duplexd.bench.speculation",
     "replies": "duplexd.bench.replies",
+    "relay": "duplexd.bench.dual_path",  # (`duplexd/bench/relay.py` is the UDP relay of `bench transport`)
     "capacity": "duplexd.bench.capacity",
     "overload": "duplexd.bench.capacity",  # (its `main` tells the two apart by `args.what`)
     "collapse": "duplexd.bench.collapse",
