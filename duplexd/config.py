@@ -440,19 +440,21 @@ class TtsConfig:
 class RelayConfig:
     """`[dialog] mode = "relay"`: which first words of a reply the local model may speak for the remote one.
 
-    Each of the local model's tokens is accepted while its probability is at least `min_prob`, the
-    entropy of its distribution at most `max_entropy` nats and the gap between the two likeliest tokens'
-    probabilities at least `min_margin` (RelayS2S's verifier reads the same three statistics); the prefix
-    is the whole words before the first token that fails, at most `prefix_words` of them. None accepted:
-    the reply is the remote model's alone. Defaults: starting points, not tuned (the remote model here is
-    the same SmolLM2, so what a bigger model would have said differently cannot be measured here)."""
+    The prefix is the longest run of the reply's first whole words, at most `prefix_words`, whose tokens the
+    local model was sure of together: their geometric-mean probability at least `min_prob`, mean entropy
+    at most `max_entropy` nats, mean gap between the two likeliest tokens' probabilities at least
+    `min_margin` (the three statistics RelayS2S's verifier reads). None: the reply is the remote model's
+    alone. How the defaults were chosen (docs/benchmarks.md "Relay"): over SmolLM2's replies to the 16
+    question clips they take formulaic openings ("I'm sorry for any misunderstanding,") and leave
+    invented content ("The frosted glass was a classic,"); the remote model here is the same SmolLM2, so
+    what a bigger one would have said differently cannot be measured here."""
 
     model: str = "smollm2"
     """The local model that speaks first (any `[dialog] model` value)."""
     prefix_words: int = 5
     min_prob: float = 0.3
-    max_entropy: float = 2.5
-    min_margin: float = 0.1
+    max_entropy: float = 3.0
+    min_margin: float = 0.25
     context_turns: int = 4
     """Earlier turns (of the remote conversation's transcript) the local model reads before each turn."""
 
