@@ -434,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="speculation, voice: replies from a `duplexd serve-llm` (backend remote)",
     )
+    p.add_argument(
+        "--remote-url",
+        default=None,
+        help="relay: the remote model's OpenAI-compatible base URL, e.g. a bigger model's (default: a local "
+        "`duplexd serve-llm`); its key from DUPLEXD_DIALOG__REMOTE_API_KEY",
+    )
+    p.add_argument("--remote-model", default="", help="relay: the model name to ask --remote-url for")
     p.add_argument("--streams", default="1,2,4", help="concurrency levels for the long streams (default 1,2,4)")
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
     p.add_argument(

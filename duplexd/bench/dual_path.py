@@ -13,8 +13,10 @@ Relay's own keys: `prefix_accept_rate` (replies that began with the local model'
 (over those), `seam_exact` (replies whose text is exactly their `reply.relayed` prefix followed by the rest of
 their `reply.delta`s, and the same as `reply.done`'s) and `same_as_remote` (of the clips whose turn text both
 heard the same, replies identical to the remote mode's: the remote model here is the same SmolLM2, greedy).
-What this machine cannot say: whether a bigger remote model's answers are better (it is the same model); the
-replies are written to the JSON to read.
+What this machine cannot say: whether a bigger remote model's answers are better (it is the same model).
+`--remote-url URL` (`--remote-model NAME`, the key in `DUPLEXD_DIALOG__REMOTE_API_KEY`) puts any
+OpenAI-compatible server behind the proxy instead: every reply of every mode is in the JSON (`runs`), so
+relay's against remote's can be read side by side, clip by clip.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class DelayingProxy:
     streams the answer back as it comes (the body as read, the connection closed at its end). A client
     that goes away closes the upstream request too (the upstream server then stops decoding)."""
 
-    def __init__(self, upstream: str, delay_ms: float = 0.0) -> None:
+    def __init__(self, upstream: str, delay_ms: float = 0.0) -> None:  # (http:// or https://)
         self.upstream = urllib.parse.urlsplit(upstream)
         self.delay_ms = delay_ms
         self.requests = 0
@@ -90,10 +92,11 @@ class DelayingProxy:
         body = handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
         self.requests += 1
         time.sleep(self.delay_ms / 1000)
-        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
+        kind = http.client.HTTPSConnection if self.upstream.scheme == "https" else http.client.HTTPConnection
+        conn = kind(self.upstream.hostname, self.upstream.port, timeout=60)
         try:
             headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "connection")}
-            conn.request(method, handler.path, body=body or None, headers=headers)
+            conn.request(method, handler.path, body=body or None, headers=headers)  # (`url` keeps the path)
             response = conn.getresponse()
             handler.send_response(response.status)
             for key, value in response.getheaders():
@@ -231,12 +234,24 @@ def targets(summary: dict[str, Any]) -> dict[str, Any]:
     return {"relay_over_local_eos_to_first_audio": over_local, "relay_below_remote_at_longest_delay": below_remote}
 
 
-def run(data: Path | None, config: Path | None, quick: bool, delays: tuple[int, ...] = DELAYS_MS) -> dict[str, Any]:
+def run(
+    data: Path | None,
+    config: Path | None,
+    quick: bool,
+    delays: tuple[int, ...] = DELAYS_MS,
+    remote_url: str | None = None,
+    remote_model: str = "",
+) -> dict[str, Any]:
+    """`remote_url`: the remote model's server (default: a `duplexd serve-llm` started here)."""
     clips = questions(load_clips(data), quick)
+    remote_name = remote_url or "duplexd serve-llm (SmolLM2, this machine)"
     with contextlib.ExitStack() as stack:
-        llm_port = stack.enter_context(serve_llm_process())
-        proxy = stack.enter_context(DelayingProxy(f"http://127.0.0.1:{llm_port}/v1"))
+        if remote_url is None:
+            remote_url = f"http://127.0.0.1:{stack.enter_context(serve_llm_process())}/v1"
+        proxy = stack.enter_context(DelayingProxy(remote_url))
         remote = {"dialog.backend": "remote", "dialog.remote_url": proxy.url}
+        if remote_model:
+            remote["dialog.remote_model"] = remote_model
         settings = {"local": {}, "remote": remote, "relay": {**remote, "dialog.mode": "relay"}}
         ports = {mode: stack.enter_context(server_process(config, settings=settings[mode])) for mode in MODES}
         runs = asyncio.run(_conversations(ports, proxy, clips, delays))
@@ -250,7 +265,8 @@ def run(data: Path | None, config: Path | None, quick: bool, delays: tuple[int, 
         **summary,
         "targets": targets(summary),
         "server_relay": relay_health,
-        "quality": "not measured: the remote model here is the same SmolLM2",
+        "remote": remote_name,
+        "quality": "not scored: read `runs` (relay's replies against remote's, clip by clip)",
         "runs": [asdict(r) for r in runs],
     }
 
@@ -283,6 +299,6 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run(args.data, args.config, args.quick)
+    result = run(args.data, args.config, args.quick, remote_url=args.remote_url, remote_model=args.remote_model)
     write_result(args.out, result, table(result))
     return 0
