@@ -1,8 +1,9 @@
 """`duplexd bench relay`: dual-path replies (`[dialog] mode = "relay"`) against the local and the remote model
 alone, by how late the remote model answers.
 
-One `duplexd serve-llm` is the remote model, behind `DelayingProxy`, which holds each request back by a set
-time before forwarding it (a hosted model's time to first token: 0, 300 and 600 ms). Three real `duplexd
+One `duplexd serve-llm` at nice 19 (as if on its own machine) is the remote model, behind `DelayingProxy`,
+which holds each request back by a set time before forwarding it (a hosted model's time to first token: 0,
+300 and 600 ms). Three real `duplexd
 serve` children run side by side: `local` (the embedded engine), `remote` (`backend = "remote"` through the
 proxy) and `relay` (`mode = "relay"` through the proxy). Every question clip (one speaker, <= 8 s) is asked
 of each, one conversation at a time, the order rotated from clip to clip; then the proxy's delay moves on.
@@ -246,8 +247,9 @@ def run(
     clips = questions(load_clips(data), quick)
     remote_name = remote_url or "duplexd serve-llm (SmolLM2, this machine)"
     with contextlib.ExitStack() as stack:
-        if remote_url is None:
-            remote_url = f"http://127.0.0.1:{stack.enter_context(serve_llm_process())}/v1"
+        if remote_url is None:  # (at nice 19: a remote model takes none of the recognizer's CPU, as on its own
+            # machine; beside it at equal priority, a request at the pause slowed the turn's final pass ~2x)
+            remote_url = f"http://127.0.0.1:{stack.enter_context(serve_llm_process(niceness=19))}/v1"
         proxy = stack.enter_context(DelayingProxy(remote_url))
         remote = {"dialog.backend": "remote", "dialog.remote_url": proxy.url}
         if remote_model:
