@@ -441,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`duplexd serve-llm`); its key from DUPLEXD_DIALOG__REMOTE_API_KEY",
     )
     p.add_argument("--remote-model", default="", help="relay: the model name to ask --remote-url for")
+    p.add_argument("--delays", default=None, help="relay: the remote's added delays in ms (default 0,300,600)")
     p.add_argument("--streams", default="1,2,4", help="concurrency levels for the long streams (default 1,2,4)")
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
     p.add_argument(

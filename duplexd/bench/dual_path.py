@@ -301,6 +301,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run(args.data, args.config, args.quick, remote_url=args.remote_url, remote_model=args.remote_model)
+    delays = tuple(int(d) for d in args.delays.split(",")) if args.delays else DELAYS_MS
+    result = run(args.data, args.config, args.quick, delays, remote_url=args.remote_url, remote_model=args.remote_model)
     write_result(args.out, result, table(result))
     return 0

@@ -197,8 +197,12 @@ class RelayDialogEngine:
         self._stale.add(sid)  # (the reply will follow in the transcript)
 
     def steps_to_reply(self, sid: int) -> int:
-        if sid in self._prefixing:
-            return self.local.steps_to_reply(self._local[sid]) + 1
+        """The local model's steps to its first word while the reply would start (or starts) there; then the
+        remote's. A draft and its conversation are compared alike: a draft counted one step further (the
+        prefix's decision) looked behind from its first step, and was dropped every time (bench relay)."""
+        lsid = self._local.get(sid)
+        if lsid is not None and (sid in self._prefixing or not self.remote.replying(sid)):
+            return self.local.steps_to_reply(lsid)
         return self.remote.steps_to_reply(sid)
 
     def parked(self, sid: int) -> bool:

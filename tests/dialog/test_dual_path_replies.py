@@ -180,3 +180,33 @@ async def test_the_local_model_gives_the_turn_signal_and_a_cut_prefix_leaves_not
     assert reply and engine.history(sid)[-1] == {"role": "assistant", "content": reply}
     engine.close(sid)
     assert engine.sessions == 0 and not speaker._sessions
+
+
+@pytest.mark.slow
+async def test_a_draft_made_at_the_pause_brings_its_prefix_to_the_end_of_the_turn(
+    llm_url: str, speaker: DialogEngine
+) -> None:
+    """Speculative listening with relay: the draft forked at the user's pause decodes its prefix there and
+    sends the remote request; the turn's end adopts it, and the prefix's words are out at once. (A draft
+    once counted one step behind its conversation from its first step, and was dropped every time.)"""
+    engine = relay(llm_url, speaker, ANY)
+    sid = engine.open()
+    engine.append_user_text(sid, TURNS[0])
+    while engine.busy():
+        engine.step()
+    draft = engine.fork(sid, decode_limit=16)
+    engine.start_reply(draft)
+    assert engine.steps_to_reply(draft) <= engine.steps_to_reply(sid)  # not behind: the worker keeps it
+    while engine.replying(draft) and not engine.reply_tokens(draft):
+        engine.step()
+    ready = engine.reply_tokens(draft)
+    engine.adopt(sid, draft)
+    assert engine.reply_tokens(sid)[: len(ready)] == ready  # (at the turn's end: no step needed)
+    relayed = engine.take_relayed(sid)  # (the draft's prefix is the conversation's now; told once)
+    assert relayed is not None and relayed[0] and engine.tokenizer.decode(ready).startswith(relayed[0])
+    assert engine.take_relayed(sid) is None
+    while engine.replying(sid):
+        engine.step()
+    whole = engine.tokenizer.decode(engine.reply_tokens(sid))
+    assert whole.startswith(engine.tokenizer.decode(ready)) and engine.history(sid)[-1]["content"] == whole
+    engine.close(sid)
