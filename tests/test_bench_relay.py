@@ -7,7 +7,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from duplexd.bench.dual_path import DelayingProxy, Run, summarize, targets
+from duplexd.bench.dual_path import DelayingProxy, Run, summarize, table, targets
 
 CHUNKS = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
 
@@ -97,6 +97,8 @@ def test_the_summary_counts_prefixes_seams_and_sameness() -> None:
     t = targets(summary)
     assert t["relay_over_local_eos_to_first_audio"] == {"600": round(1.075 / 1.1, 3)}
     assert t["relay_below_remote_at_longest_delay"] == round(1 - 1.075 / 2.1, 3)
+    printed = table({"delays_ms": [600], **summary, "targets": t, "remote_server": "x"})
+    assert "| 600 ms | relay | 1.08 / 1.10 |" in printed and "seam exact 0.5" in printed, printed
     # a reply with no prefix (the local model sure of nothing) is still a seam-exact reply of the remote model's
     alone = summarize([_run("relay", "a", "Paris.", prefix="")])["relay"]["600"]
     assert alone["prefix_accept_rate"] == 0.0 and alone["prefix_words_mean"] is None and alone["seam_exact"] == 1.0

@@ -267,7 +267,7 @@ def run(
         **summary,
         "targets": targets(summary),
         "server_relay": relay_health,
-        "remote": remote_name,
+        "remote_server": remote_name,
         "quality": "not scored: read `runs` (relay's replies against remote's, clip by clip)",
         "runs": [asdict(r) for r in runs],
     }
