@@ -26,14 +26,12 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from duplexd.config import DialogConfig, RelayConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig, Priority, TokenStats
-from duplexd.dialog.kv_window import SlotTable
-from duplexd.dialog.remote import PieceTokenizer, RemoteConfig, RemoteDialogEngine
+from duplexd.dialog.remote import RemoteDialogEngine, RemoteFront
 from duplexd.errors import Overloaded
 
 PREFIX_TOKENS = 24  # the most tokens the local model decodes for a prefix (5 words are ~7 of SmolLM2's)
@@ -81,14 +79,15 @@ def accept_prefix(
     return best, True
 
 
-class RelayDialogEngine:
+class RelayDialogEngine(RemoteFront):
     """Replies begun by a local model and continued by a remote one (see the module docstring). Not
     thread-safe, like both engines: one worker calls it."""
 
     reports_p_end = True
 
     def __init__(self, remote: RemoteDialogEngine, local: DialogEngine, relay: RelayConfig) -> None:
-        self.remote, self.local, self.relay = remote, local, relay
+        super().__init__(remote)
+        self.local, self.relay = local, relay
         local.record_stats = True
         self._local: dict[int, int] = {}  # remote session -> its local session (none: remote only)
         self._prompts: dict[int, str | None] = {}
@@ -106,37 +105,7 @@ class RelayDialogEngine:
         local = replace(dialog, backend="local", mode="direct", model=relay.model)
         return cls(remote, DialogEngine.load(EngineConfig.from_config(local)), relay)
 
-    # --- what is the remote engine's ---------------------------------------------------------------------
-
-    @property
-    def config(self) -> RemoteConfig:
-        return self.remote.config
-
-    @property
-    def tokenizer(self) -> PieceTokenizer:
-        return self.remote.tokenizer
-
-    @property
-    def pool(self) -> SlotTable:
-        return self.remote.pool
-
-    @property
-    def stats(self) -> dict[str, float]:
-        return self.remote.stats
-
-    @property
-    def step_samples(self) -> deque[tuple[float, int, int]]:
-        return self.remote.step_samples
-
-    @property
-    def tuning(self) -> dict[str, object] | None:
-        return self.remote.tuning
-
-    def __getattr__(self, name: str) -> object:  # (the rest of the remote engine's API: `history`, ...)
-        return getattr(self.remote, name)
-
-    def state_key(self, sid: int) -> int:
-        return self.remote.state_key(sid)
+    # --- the remote engine's, but while a prefix is decided ---------------------------------------------
 
     def reply_tokens(self, sid: int) -> list[int]:
         """The remote reply's pieces (the prefix's first); none while the prefix is being decided (the remote

@@ -630,6 +630,63 @@ class RemoteDialogEngine:
             raise UnknownSession(f"no dialog session {sid}") from None
 
 
+class RemoteFront:
+    """An engine in front of a `RemoteDialogEngine` (`turn_scorer.TurnScoredEngine`,
+    `relay.RelayDialogEngine`): the transcript, the replies' pieces and all it does not override are the
+    remote engine's."""
+
+    def __init__(self, remote: RemoteDialogEngine) -> None:
+        self.remote = remote
+
+    @property
+    def config(self) -> RemoteConfig:  # (its model is the one named in /healthz)
+        return self.remote.config
+
+    @property
+    def tokenizer(self) -> PieceTokenizer:
+        return self.remote.tokenizer
+
+    @property
+    def pool(self) -> SlotTable:
+        return self.remote.pool
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.remote.stats
+
+    @property
+    def step_samples(self) -> deque[tuple[float, int, int]]:
+        return self.remote.step_samples
+
+    @property
+    def tuning(self) -> dict[str, object] | None:
+        return self.remote.tuning
+
+    def __getattr__(self, name: str) -> object:  # (the rest of the remote engine's own API: `history`, ...)
+        return getattr(self.remote, name)
+
+    def fork(self, sid: int, *, priority: Priority = Priority.DRAFT, decode_limit: int | None = None) -> int:
+        return self.remote.fork(sid, priority=priority, decode_limit=decode_limit)
+
+    def state_key(self, sid: int) -> int:
+        return self.remote.state_key(sid)
+
+    def steps_to_reply(self, sid: int) -> int:
+        return self.remote.steps_to_reply(sid)
+
+    def parked(self, sid: int) -> bool:
+        return self.remote.parked(sid)
+
+    def replying(self, sid: int) -> bool:
+        return self.remote.replying(sid)
+
+    def reply_tokens(self, sid: int) -> list[int]:
+        return self.remote.reply_tokens(sid)
+
+    def interrupt(self, sid: int, heard_tokens: int) -> None:
+        self.remote.interrupt(sid, heard_tokens)
+
+
 def _words(text: str) -> list[str]:
     """`text` in pieces of one word each, with its leading space ("Paris is" -> "Paris", " is")."""
     pieces = re.findall(r"\s*\S+", text)

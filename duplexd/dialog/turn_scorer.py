@@ -18,28 +18,27 @@ a short KV window (`SCORER_WINDOW_TOKENS`): a turn's words and the prompt, not t
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
 from duplexd.config import DialogConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig, Priority
-from duplexd.dialog.kv_window import SlotTable
-from duplexd.dialog.remote import PieceTokenizer, RemoteConfig, RemoteDialogEngine
+from duplexd.dialog.remote import RemoteDialogEngine, RemoteFront
 from duplexd.errors import Overloaded
 
 SCORER_WINDOW_TOKENS = 252  # (+ 4 sinks: 256 rows; a long turn slides, its end is what is scored)
 _REWRITE_TURNS = 2  # earlier turns a rewritten conversation's scorer session keeps
 
 
-class TurnScoredEngine:
+class TurnScoredEngine(RemoteFront):
     """`RemoteDialogEngine` whose conversations' P(end of turn) comes from a local model (see the module
     docstring). Not thread-safe, like both engines: one worker calls it."""
 
     reports_p_end = True
 
     def __init__(self, remote: RemoteDialogEngine, scorer: DialogEngine) -> None:
-        self.remote, self.scorer = remote, scorer
+        super().__init__(remote)
+        self.scorer = scorer
         self._scored: dict[int, int] = {}  # remote session -> its scorer session
         self._prompts: dict[int, str | None] = {}
         self.scorer_busy_s = 0.0  # time in the scorer's steps (on the worker's thread)
@@ -49,56 +48,6 @@ class TurnScoredEngine:
         remote = RemoteDialogEngine.from_config(config)
         local = replace(config, backend="local", model=config.turn_model, window_tokens=SCORER_WINDOW_TOKENS)
         return cls(remote, DialogEngine.load(EngineConfig.from_config(local)))
-
-    # --- what is the remote engine's ---------------------------------------------------------------------
-
-    @property
-    def config(self) -> RemoteConfig:  # (its model is the one named in /healthz)
-        return self.remote.config
-
-    @property
-    def tokenizer(self) -> PieceTokenizer:
-        return self.remote.tokenizer
-
-    @property
-    def pool(self) -> SlotTable:
-        return self.remote.pool
-
-    @property
-    def stats(self) -> dict[str, float]:
-        return self.remote.stats
-
-    @property
-    def step_samples(self) -> deque[tuple[float, int, int]]:
-        return self.remote.step_samples
-
-    @property
-    def tuning(self) -> dict[str, object] | None:
-        return self.remote.tuning
-
-    def __getattr__(self, name: str) -> object:  # (the rest of the remote engine's own API: `history`, ...)
-        return getattr(self.remote, name)
-
-    def fork(self, sid: int, *, priority: Priority = Priority.DRAFT, decode_limit: int | None = None) -> int:
-        return self.remote.fork(sid, priority=priority, decode_limit=decode_limit)
-
-    def state_key(self, sid: int) -> int:
-        return self.remote.state_key(sid)
-
-    def steps_to_reply(self, sid: int) -> int:
-        return self.remote.steps_to_reply(sid)
-
-    def parked(self, sid: int) -> bool:
-        return self.remote.parked(sid)
-
-    def replying(self, sid: int) -> bool:
-        return self.remote.replying(sid)
-
-    def reply_tokens(self, sid: int) -> list[int]:
-        return self.remote.reply_tokens(sid)
-
-    def interrupt(self, sid: int, heard_tokens: int) -> None:
-        self.remote.interrupt(sid, heard_tokens)
 
     # --- both ------------------------------------------------------------------------------------------
 
