@@ -7,7 +7,6 @@ token, the reply either model gives alone: any word dropped, repeated or changed
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -15,12 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from duplexd.commands import AppendUserText, InterruptReply, StartReply
-from duplexd.config import DialogConfig, RelayConfig, SpeculationConfig
+from duplexd.config import DialogConfig, RelayConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig, TokenStats, token_stats
 from duplexd.dialog.relay import PREFIX_TOKENS, RelayDialogEngine, accept_prefix, sure
-from duplexd.scheduler.dialog import DialogWorker
-from tests.dialog.test_remote_backend import DTYPE, TURNS, Client, remote_engine, until
+from tests.dialog.test_remote_backend import DTYPE, TURNS, converse, remote_engine
 from tests.dialog.test_remote_backend import llm_url as llm_url  # (the module's serve-llm fixture)
 from tests.dialog.test_remote_backend import local as local  # (llm_url needs it)
 
@@ -83,41 +80,13 @@ def test_relay_needs_a_remote_backend() -> None:
 HEARD_WORDS = 1  # of the second reply, heard before the user talks over it
 
 
-async def converse_by_words(engine) -> tuple[list[str], Client]:  # type: ignore[no-untyped-def]
-    """`test_remote_backend.converse`, but the second reply is cut after its first `HEARD_WORDS` words, not
-    pieces: the relay's prefix comes as one piece a word, a remote server's text as tokens, and the heard
-    text must be the same for the next turn to read the same transcript."""
-    worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False))
-    task = asyncio.create_task(worker.run())
-    client = Client()
-    replies: list[str] = []
-    try:
-        sid = await asyncio.wait_for(worker.open(client), 10)
-        for n, text in enumerate(TURNS, start=1):
-            worker.submit(sid, AppendUserText(text, n))
-            worker.submit(sid, StartReply(n))
-            if n == 2:
-                await until(lambda: _words_heard(client) or client.event(2).is_set())
-                texts = client.texts[2]  # (texts[i]: the reply through its piece i)
-                heard = max(k + 1 for k, t in enumerate(texts) if len(t.split()) <= HEARD_WORDS)
-                worker.submit(sid, InterruptReply(2, heard))
-                replies.append(texts[heard - 1])
-            else:
-                await asyncio.wait_for(client.event(n).wait(), 60)
-                replies.append(client.texts[n][-1] if client.texts.get(n) else "")
-        worker.close(sid)
-        await until(lambda: engine.sessions == 0)
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        worker.close_worker()
-    return replies, client
-
-
-def _words_heard(client: Client) -> bool:
-    """The second reply's first `HEARD_WORDS` words are complete (a later piece started another)."""
-    return any(len(t.split()) > HEARD_WORDS for t in client.texts.get(2, []))
+def heard_words(texts: list[str]) -> int | None:
+    """Cut the second reply after its first `HEARD_WORDS` words, not pieces: the relay's prefix comes as one
+    piece a word, a remote server's text as tokens, and the heard text must be the same for the next turn
+    to read the same transcript. None until a later piece has started another word."""
+    if not any(len(t.split()) > HEARD_WORDS for t in texts):
+        return None
+    return max(k + 1 for k, t in enumerate(texts) if len(t.split()) <= HEARD_WORDS)
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +111,9 @@ async def test_a_relayed_conversation_is_the_conversation_either_model_has_alone
 ) -> None:
     """Three turns, the second cut after its first word (inside the prefix): what the user hears, and the
     transcript the next turn reads, are exactly the remote conversation's."""
-    expected, _ = await converse_by_words(remote_engine(llm_url))
+    expected, _ = await converse(remote_engine(llm_url), heard_words)
     engine = relay(llm_url, speaker, rule)
-    got, client = await converse_by_words(engine)
+    got, client = await converse(engine, heard_words)
     assert got == expected
     stats = engine.relay_stats
     assert stats["replies"] == len(TURNS) and sorted(client.relayed) == [1, 2, 3]  # (`reply.relayed`, each)

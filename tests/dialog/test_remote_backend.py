@@ -16,7 +16,7 @@ import socket
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -97,8 +97,16 @@ async def until(condition: object, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def converse(engine: DialogEngine | RemoteDialogEngine) -> tuple[list[str], Client]:
-    """Three turns through the LLM worker; the second reply is interrupted after `HEARD` tokens."""
+def heard_pieces(texts: list[str]) -> int | None:
+    """Where `converse` cuts the second reply: after `HEARD` pieces (None: not yet that many)."""
+    return HEARD if len(texts) >= HEARD else None
+
+
+async def converse(
+    engine: DialogEngine | RemoteDialogEngine, cut: Callable[[list[str]], int | None] = heard_pieces
+) -> tuple[list[str], Client]:
+    """Three turns through the LLM worker; the second reply is interrupted where `cut` says, given its
+    texts so far (`texts[i]`: the reply through piece i; if it ends first, after `HEARD` pieces)."""
     worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False))  # type: ignore[arg-type]
     task = asyncio.create_task(worker.run())
     client = Client()
@@ -109,9 +117,10 @@ async def converse(engine: DialogEngine | RemoteDialogEngine) -> tuple[list[str]
             worker.submit(sid, AppendUserText(text, n))
             worker.submit(sid, StartReply(n))
             if n == 2:
-                await until(lambda n=n: len(client.texts.get(n, ())) >= HEARD or client.event(n).is_set())
-                worker.submit(sid, InterruptReply(n, HEARD))  # (applied before the next turn's words)
-                replies.append(client.texts[n][HEARD - 1])
+                await until(lambda n=n: cut(client.texts.get(n, [])) is not None or client.event(n).is_set())
+                heard = cut(client.texts[n]) or HEARD
+                worker.submit(sid, InterruptReply(n, heard))  # (applied before the next turn's words)
+                replies.append(client.texts[n][heard - 1])
             else:
                 await asyncio.wait_for(client.event(n).wait(), 60)
                 replies.append(client.texts[n][-1] if client.texts.get(n) else "")
