@@ -68,6 +68,12 @@ class AsrConfig:
     trim_after_s: float = 5.0  # trim at a committed sentence or segment end once the window is this long
     min_new_audio_s: float = 0.2  # a pass runs only once this much new speech has arrived
     preroll_s: float = 0.5  # audio kept before detected speech onset
+    # Speech that starts within this long of the end of the last utterance's speech continues it, even after
+    # VAD's end of speech: it is decoded with that utterance's last words before it, and its final says
+    # which utterance it continues (`continues`), so a sentence said with a pause reads as one ("Ask not" +
+    # "what your country..." came out "Ask not! Like your country..." decoded alone). 0: only speech that
+    # resumes before VAD's end of speech continues.
+    continue_gap_s: float = 1.0
     prompt_chars: int = 200  # committed text before the window, kept as the decoder prompt
     # ... of which the engine passes at most this many tokens. Measured with tiny.en and word timestamps on
     # this CPU: a 3.5 s pass costs 1.04 s with a prompt of up to 18 tokens and 1.85 s from 21 tokens on.
@@ -104,6 +110,7 @@ class AsrConfig:
         )
         _require(self.min_new_audio_s >= 0.0, "asr.min_new_audio_s", self.min_new_audio_s, ">= 0")
         _require(self.preroll_s >= 0.0, "asr.preroll_s", self.preroll_s, ">= 0")
+        _require(0.0 <= self.continue_gap_s <= 5.0, "asr.continue_gap_s", self.continue_gap_s, "in [0, 5] seconds")
         _require(self.ring_s >= self.max_window_s, "asr.ring_s", self.ring_s, ">= max_window_s")
         _require(self.prompt_chars >= 0, "asr.prompt_chars", self.prompt_chars, ">= 0")
         _require(self.prompt_max_tokens >= 0, "asr.prompt_max_tokens", self.prompt_max_tokens, ">= 0")

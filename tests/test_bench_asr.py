@@ -54,3 +54,31 @@ def test_the_replay_rejoins_a_sentence_split_at_its_pauses(engines, clip_by_name
     assert splits >= 1 and r["split_utterances_rejoined"]["rejoined"] >= splits - 1
     assert "excuse me, I will say" in r["texts"][0]  # "me." repaired at the join
     assert 0.0 < r["word_latency_p50_s"] <= r["word_latency_p90_s"] < 3.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("clock", [(0.5, 0.06), (0.37, 0.047)])
+def test_a_sentence_said_with_breaths_longer_than_vads_hangover_reads_as_one(engines, clip_by_name, clock) -> None:
+    # JFK pauses 0.8 s between "Americans", "ask not" and "what your country": VAD ends speech each time.
+    # Decoded alone, the third phrase came out "Like your country" (three short windows agreed on "Like")
+    # and the finals read "Americans. Ask not! Like your can do for you!".
+    from duplexd.asr.vad import SileroVad
+    from duplexd.bench.asr_replay import replay
+    from duplexd.clients.stream import read_audio
+    from duplexd.streaming.session import SessionConfig
+
+    pcm, _ = read_audio(clip_by_name["clip01_jfk.wav"].path)
+    r = replay(
+        np.concatenate([pcm, np.zeros(16_000, np.int16)]),
+        engines.asr,
+        SileroVad(),
+        SessionConfig(),
+        lambda window_s, _wall: clock[0] + clock[1] * window_s,
+    )
+    finals = [f for _, f in r.finals]
+    assert len(finals) >= 3 and all(f.continues == finals[i].utterance for i, f in enumerate(finals[1:]))
+    assert "americans ask not what your country can do for you ask what you can" in _plain(r.text)
+
+
+def _plain(text: str) -> str:
+    return " ".join("".join(c for c in w.lower() if c.isalnum() or c == "'") for w in text.split())

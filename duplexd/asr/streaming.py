@@ -310,7 +310,9 @@ class StreamingTranscriber:
         events: list[Event] = []
         if words:
             events.append(UtteranceFinalized(self._utterance, words, *self._joined()))
-        self._resumable = _resumable(self._utterance, words, self._window_start) if words else None
+        # (a continuation's context reaches back into the utterance it continued where its own words are few)
+        before = self._continues.words if self._continues is not None else ()
+        self._resumable = _resumable(self._utterance, words, (*before, *words), self._window_start) if words else None
         end = self._final_end if self._final_end is not None else self._ring.end
         self._active = False
         self._final_end = None
@@ -415,12 +417,13 @@ class StreamingTranscriber:
         return text
 
 
-def _resumable(utterance: int, words: tuple[Word, ...], window_start: int) -> _Resumable:
-    """What a continuation of this final decodes again: its words that start within `_CONTEXT_S` of its end
-    (at least `_CONTEXT_MIN_WORDS`), from the end of the word before them (a word boundary, so no word is
-    cut in half), else from its window's start."""
-    k = len(words) - 1
-    while k > 0 and (len(words) - k < _CONTEXT_MIN_WORDS or words[k - 1].start_s >= words[-1].end_s - _CONTEXT_S):
+def _resumable(utterance: int, words: tuple[Word, ...], heard: tuple[Word, ...], window_start: int) -> _Resumable:
+    """What a continuation of this final decodes again: of the words `heard` in its window (its own, after
+    those of the utterance it continued), those that start within `_CONTEXT_S` of its end (at least
+    `_CONTEXT_MIN_WORDS`), from the end of the word before them (a word boundary, so no word is cut in
+    half), else from its window's start."""
+    k = len(heard) - 1
+    while k > 0 and (len(heard) - k < _CONTEXT_MIN_WORDS or heard[k - 1].start_s >= heard[-1].end_s - _CONTEXT_S):
         k -= 1
-    start_s = words[k - 1].end_s if k > 0 else window_start / ASR_SAMPLE_RATE
-    return _Resumable(utterance, words, max(window_start, int(start_s * ASR_SAMPLE_RATE)), words[k:])
+    start_s = heard[k - 1].end_s if k > 0 else window_start / ASR_SAMPLE_RATE
+    return _Resumable(utterance, words, max(window_start, int(start_s * ASR_SAMPLE_RATE)), heard[k:])

@@ -525,6 +525,32 @@ def test_a_continuation_without_its_context_keeps_the_words_after_it() -> None:
     assert (texts(final.words), final.continues, final.previous) == (["part"], 1, None)
 
 
+def test_a_continuation_of_a_short_continuation_reaches_back_into_the_utterance_before_it() -> None:
+    # "I said Sunday is the best." | "part of" | "it." : the second utterance's two words are less than the
+    # context a continuation decodes again, so the third one's context reaches back into the first
+    # utterance's words (their audio is still in the window): none of them is said twice.
+    t, _ = _finalized_at_a_pause()
+    t.speech_stopped(4.1)
+    request = t.prepare_pass()
+    offset_s = request.start_sample / SR
+    said = [("Sunday", 1.7, 2.1), ("is", 2.2, 2.3), ("the", 2.4, 2.5), ("best", 2.6, 3.0)]
+    part_of = [("part", 3.3, 3.6), ("of", 3.7, 3.9)]
+    (second,) = t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in said + part_of]))
+    assert isinstance(second, UtteranceFinalized) and texts(second.words) == ["part", "of"]
+    feed(t, 0.5)
+    t.speech_started(4.6, continues=True)
+    feed(t, 0.6)
+    t.speech_stopped(5.2)
+    request = t.prepare_pass()
+    # From the end of "is": "the best part of" are the last 1.5 s of what was said (two utterances).
+    assert request.start_sample == int(2.3 * SR)
+    offset_s = request.start_sample / SR
+    heard = [*said[2:], *part_of, ("it.", 4.7, 5.0)]
+    (final,) = t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in heard]))
+    assert isinstance(final, UtteranceFinalized)
+    assert (texts(final.words), final.continues, final.previous) == (["it."], 2, None)
+
+
 def test_fresh_speech_after_a_final_is_no_continuation() -> None:
     t, _ = _finalized_at_a_pause()
     t.speech_stopped(4.2)

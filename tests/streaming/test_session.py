@@ -263,6 +263,28 @@ def test_speech_resuming_after_a_pause_is_the_next_utterance() -> None:
     assert updates and all(e.utterance == 2 and e.words[0].text == "I" for e in updates)
 
 
+@pytest.mark.parametrize(("silence_chunks", "continues"), [(20, 1), (60, None)])
+def test_speech_soon_after_the_end_of_speech_continues_the_utterance_before(
+    silence_chunks: int, continues: int | None
+) -> None:
+    # VAD ends speech after 500 ms of silence; a speaker who goes on 0.64 s after the last word (a sentence
+    # said with a breath: "Ask not" ... "what your country") still continues it; 1.9 s later is fresh speech.
+    session = Session("s", 16_000, config(min_new_audio_s=5.0))
+    drive(session, 512, [[Q]] * 10 + [[S]] * 30 + [[Q]] * 7, [0.0] * 47)
+    first = session.prepare_pass()
+    assert first.final
+    session.apply_pass(first, pass_result(("Ask", 0.5), ("not.", 0.8)))
+    drive_more(session, [Q] * (silence_chunks - 7) + [S] * 20 + [Q] * 7)
+    request = session.prepare_pass()
+    assert request.final
+    what_s = (request.end_sample - request.start_sample) / 16_000 - 0.6  # (window-relative, in the new speech)
+    events = session.apply_pass(request, pass_result(("what", what_s)))
+    (final,) = [e for e in events if isinstance(e, UtteranceFinalized)]
+    assert final.continues == continues
+    # A continuation is decoded with the last words before it; fresh speech from its own onset on.
+    assert (request.start_sample < first.end_sample) == (continues is not None)
+
+
 def drive_more(session: Session, probs: list[float]) -> None:
     for p in probs:
         k = session.frames
