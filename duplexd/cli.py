@@ -454,6 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODELS",
         help="asr: also replay the clips in-process for these [asr] models, e.g. tiny,base (--streams '': only that)",
     )
+    p.add_argument(
+        "--clocks",
+        default=None,
+        metavar="FACTORS",
+        help="asr: with --replay, replay again with each pass taking the fitted cost times each factor, "
+        "e.g. 0.6,0.8,1,1.2 (WER over several pass clocks)",
+    )
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--duration", type=float, default=45.0, help="capacity/overload: seconds per load test")
     p.add_argument("--max-sessions", type=int, default=8, help="capacity, cluster: the largest N tried")
