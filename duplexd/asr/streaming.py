@@ -27,6 +27,7 @@ _CONTEXT_MIN_WORDS = 2  # ... and at least this many of its words, so the join i
 _CONTINUE_WITHIN_S = 6.0  # a pause's context is kept this long (speech resumes within VAD's hangover)
 _ALIGN_SLACK = 3  # words beyond the context's length searched for it at a continuation's head
 _TIME_TOLERANCE_S = 0.1
+_ONSET_SLACK_S = 0.5  # a continuation's context word found again starts at most this long after its onset
 _SAID_WORDS = 128  # committed words kept for the decoder prompt (it uses at most `prompt_chars` of them)
 _SENTENCE_ENDS = (".", "?", "!")
 
@@ -122,6 +123,7 @@ class StreamingTranscriber:
         self._resumable: _Resumable | None = None  # the last final, while speech may continue it
         self._continues: _Resumable | None = None  # the final the open utterance continues
         self._join: Word | None = None  # a continuation's pass found the last context word: as it read there
+        self._onset_s = 0.0  # where the open utterance's own speech began (a continuation's window starts before)
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
         self._last_partial: tuple[tuple[Word, ...], int, int] | None = None
         self._in_flight = False
@@ -195,6 +197,7 @@ class StreamingTranscriber:
         self._generation += 1
         self._continues = self._resumable if continues else None
         self._join = None
+        self._onset_s = start / ASR_SAMPLE_RATE
         if self._continues is not None:
             start = max(self._ring.start, min(start, self._continues.start))
             self._agreement = LocalAgreement(self._config.agreement_n)  # (new words are told apart by text)
@@ -349,7 +352,13 @@ class StreamingTranscriber:
         head = [norm(w.text) for w in words[: len(context) + _ALIGN_SLACK]]
         matcher = difflib.SequenceMatcher(a=context, b=head, autojunk=False)
         blocks = [b for b in matcher.get_matching_blocks() if b.size]
-        if blocks and blocks[-1].a + blocks[-1].size >= len(context) - 1:
+        # (found again where their audio is: before the new speech began, not in it: JFK's "... can do for
+        # you" | "ask what you can do for your country" matched "can do for" in the new words, dropping six)
+        if (
+            blocks
+            and blocks[-1].a + blocks[-1].size >= len(context) - 1
+            and words[blocks[-1].b + blocks[-1].size - 1].start_s <= self._onset_s + _ONSET_SLACK_S
+        ):
             last = blocks[-1]
             cut = last.b + last.size
             if last.a + last.size == len(context):

@@ -525,6 +525,20 @@ def test_a_continuation_without_its_context_keeps_the_words_after_it() -> None:
     assert (texts(final.words), final.continues, final.previous) == (["part"], 1, None)
 
 
+def test_new_words_that_repeat_the_context_are_not_taken_for_it() -> None:
+    # JFK: "... what your country can do for you" | "ask what you can do for your country". The decoder
+    # skipped the context's audio; the new words say its words again, after the new speech began: they
+    # are new (found by text alone, "can do for" was taken for the context and six words were dropped).
+    t, _ = _finalized_at_a_pause()
+    t.speech_stopped(5.0)
+    request = t.prepare_pass()
+    offset_s = request.start_sample / SR
+    heard = [("Sunday", 3.4, 3.7), ("is", 3.8, 3.9), ("the", 4.0, 4.1), ("best", 4.2, 4.5), ("day.", 4.6, 4.9)]
+    (final,) = t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in heard]))
+    assert isinstance(final, UtteranceFinalized)
+    assert texts(final.words) == ["Sunday", "is", "the", "best", "day."]
+
+
 def test_a_continuation_of_a_short_continuation_reaches_back_into_the_utterance_before_it() -> None:
     # "I said Sunday is the best." | "part of" | "it." : the second utterance's two words are less than the
     # context a continuation decodes again, so the third one's context reaches back into the first
