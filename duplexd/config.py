@@ -72,8 +72,10 @@ class AsrConfig:
     # VAD's end of speech: it is decoded with that utterance's last words before it, and its final says
     # which utterance it continues (`continues`), so a sentence said with a pause reads as one ("Ask not" +
     # "what your country..." came out "Ask not! Like your country..." decoded alone). 0: only speech that
-    # resumes before VAD's end of speech continues.
-    continue_gap_s: float = 1.0
+    # resumes before VAD's end of speech continues. Off by default: at 1.0 s a talk-over that began 0.86 s
+    # after the user's last words (as bench voice's does) was decoded as a continuation of their turn and
+    # never interrupted the reply (not yet traced).
+    continue_gap_s: float = 0.0
     prompt_chars: int = 200  # committed text before the window, kept as the decoder prompt
     # ... of which the engine passes at most this many tokens. Measured with tiny.en and word timestamps on
     # this CPU: a 3.5 s pass costs 1.04 s with a prompt of up to 18 tokens and 1.85 s from 21 tokens on.

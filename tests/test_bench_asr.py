@@ -65,6 +65,7 @@ def test_a_sentence_said_with_breaths_longer_than_vads_hangover_reads_as_one(eng
     from duplexd.asr.vad import SileroVad
     from duplexd.bench.asr_replay import replay
     from duplexd.clients.stream import read_audio
+    from duplexd.config import AsrConfig
     from duplexd.streaming.session import SessionConfig
 
     pcm, _ = read_audio(clip_by_name["clip01_jfk.wav"].path)
@@ -72,7 +73,7 @@ def test_a_sentence_said_with_breaths_longer_than_vads_hangover_reads_as_one(eng
         np.concatenate([pcm, np.zeros(16_000, np.int16)]),
         engines.asr,
         SileroVad(),
-        SessionConfig(),
+        SessionConfig(asr=AsrConfig(continue_gap_s=1.0)),
         lambda window_s, _wall: clock[0] + clock[1] * window_s,
     )
     finals = [f for _, f in r.finals]
@@ -82,3 +83,23 @@ def test_a_sentence_said_with_breaths_longer_than_vads_hangover_reads_as_one(eng
 
 def _plain(text: str) -> str:
     return " ".join("".join(c for c in w.lower() if c.isalnum() or c == "'") for w in text.split())
+
+
+def test_the_table_gives_the_wer_at_each_pass_clock_and_their_mean() -> None:
+    from duplexd.bench.asr import table
+
+    replayed = {
+        "wer": 0.04,
+        "wer_offline": 0.033,
+        "wer_ratio_streaming_over_offline": 1.2,
+        "flicker_per_100_words": 13.0,
+        "split_utterances_rejoined": {"splits": 14, "rejoined": 13},
+        "word_latency_p50_s": 0.4,
+        "word_latency_p90_s": 0.7,
+        "pass_cost": {"fixed_s": 0.29, "per_window_s": 0.02},
+        "wer_by_clock": {"0.6": 0.05, "1.0": 0.037},
+        "wer_mean_over_clocks": 0.0435,
+        "wer_ratio_mean_over_clocks": 1.32,
+    }
+    text = table({"replay": {"tiny.en": replayed}})
+    assert "over pass clocks: WER x0.6 0.05, x1.0 0.04; mean 0.04 (ratio 1.32)" in text

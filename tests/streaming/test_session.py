@@ -269,7 +269,7 @@ def test_speech_soon_after_the_end_of_speech_continues_the_utterance_before(
 ) -> None:
     # VAD ends speech after 500 ms of silence; a speaker who goes on 0.64 s after the last word (a sentence
     # said with a breath: "Ask not" ... "what your country") still continues it; 1.9 s later is fresh speech.
-    session = Session("s", 16_000, config(min_new_audio_s=5.0))
+    session = Session("s", 16_000, SessionConfig(asr=AsrConfig(min_new_audio_s=5.0, continue_gap_s=1.0)))
     drive(session, 512, [[Q]] * 10 + [[S]] * 30 + [[Q]] * 7, [0.0] * 47)
     first = session.prepare_pass()
     assert first.final
