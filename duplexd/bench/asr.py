@@ -176,14 +176,14 @@ def _replays(
         refs = [c.text or "" for c in clips]
         print(f"replay: {engine.name} over {len(clips)} clips ...", flush=True)
         session = SessionConfig(vad=config.vad, asr=asr, pause_ms=config.turn.pause_ms)
-        result = replay_clips(list(zip(audio, refs, offline, strict=True)), engine, vad, session)
+        clips_in = list(zip(audio, refs, offline, strict=True))
+        result = replay_clips(clips_in, engine, vad, session)
         result["wer_offline"] = wer(refs, [" ".join(w.text for w in words) for words in offline])
         result["wer_ratio_streaming_over_offline"] = (
             result["wer"] / result["wer_offline"] if result["wer_offline"] else None
         )
         if clocks:
             fixed, per_s = result["pass_cost"]["fixed_s"], result["pass_cost"]["per_window_s"]
-            clips_in = list(zip(audio, refs, offline, strict=True))
             by_clock = {
                 str(k): replay_clips(clips_in, engine, vad, session, pass_cost=(k * fixed, k * per_s))["wer"]
                 for k in clocks
