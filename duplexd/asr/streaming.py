@@ -28,6 +28,7 @@ _CONTINUE_WITHIN_S = 6.0  # a pause's context is kept this long (speech resumes 
 _ALIGN_SLACK = 3  # words beyond the context's length searched for it at a continuation's head
 _TIME_TOLERANCE_S = 0.1
 _ONSET_SLACK_S = 0.5  # a continuation's context word found again starts at most this long after its onset
+_STALL_S = 1.0  # a continuation whose passes read nothing past its context this long after its onset drops it
 _SAID_WORDS = 128  # committed words kept for the decoder prompt (it uses at most `prompt_chars` of them)
 _SENTENCE_ENDS = (".", "?", "!")
 
@@ -290,6 +291,9 @@ class StreamingTranscriber:
         words = [Word(w.text, w.start_s + offset_s, w.end_s + offset_s) for w in result.words]
         if self._continues is not None:
             words = self._after_context(words)
+            if not words and not request.final and request.end_sample / ASR_SAMPLE_RATE - self._onset_s >= _STALL_S:
+                self._drop_context()
+                return []
         self._decoded_until = max(self._decoded_until, request.end_sample)
         newly = self._agreement.insert(words)
         last = result.segments[-1] if result.segments else None
@@ -342,6 +346,17 @@ class StreamingTranscriber:
         if resumable is not None and self._ring.end - resumable.start <= _CONTINUE_WITHIN_S * ASR_SAMPLE_RATE:
             floor = min(floor, resumable.start)
         return floor
+
+    def _drop_context(self) -> None:
+        """The continuation's passes read the context and stop there, its new speech unread: Whisper ended
+        the sentence at the context's last word ("... his gospel." and nothing of a talk-over that followed,
+        a new speaker), so nothing was shown until the final pass. From now on it is an utterance of its own,
+        decoded from its onset (with the preroll)."""
+        self._continues = None
+        self._join = None
+        onset = int(self._onset_s * ASR_SAMPLE_RATE) - int(self._config.preroll_s * ASR_SAMPLE_RATE)
+        self._window_start = self._decoded_until = max(self._ring.start, onset)
+        self._agreement.reset()
 
     def _after_context(self, words: list[Word]) -> list[Word]:
         """A continuation's hypothesis without the context words it decoded again, found by text (their

@@ -66,6 +66,7 @@ class Session:
         self._last_voice_s: float | None = None  # end of the last VAD chunk that sounded like speech
         self._paused_at: float | None = None  # the open speech was finalized at a pause ending here (s)
         self._spoke_until: float | None = None  # the last voiced chunk's end when VAD last ended speech
+        self._turn_over = False  # the user's turn ended since the last speech onset (`turn_ended`)
         self._voiced_run = 0  # consecutive voiced chunks
         self._resume_chunks = max(1, -(-config.vad.min_speech_ms // 32))
         self.lags_ms: deque[float] = deque(maxlen=4096)  # recent per-frame lags, for metrics
@@ -159,13 +160,14 @@ class Session:
                 self._paused_at = None
                 gap_s = None if self._spoke_until is None else change.t_s - self._spoke_until
                 continues = gap_s is not None and gap_s <= self._config.asr.continue_gap_s
+                self._turn_over = False
                 self.transcriber.speech_started(change.t_s, continues=continues)
                 events.append(change)
             elif isinstance(change, SpeechStopped):
                 if self._paused_at is None:  # (else the utterance already ended at the pause)
                     self.transcriber.speech_stopped(change.t_s, voiced_end_s=self._last_voice_s)
                 self._paused_at = None
-                self._spoke_until = self._last_voice_s
+                self._spoke_until = None if self._turn_over else self._last_voice_s
                 events.append(change)
             elif self._paused_at is not None and self._voiced_run >= self._resume_chunks:
                 # Speech resumed before VAD's end of speech: the next utterance starts where the last ended.
@@ -174,6 +176,13 @@ class Session:
             self._maybe_pause()
         events.extend(self._ack(now))
         return events
+
+    def turn_ended(self) -> None:
+        """The user's turn ended (the endpointer, or the client, said so): speech after it is a turn of its
+        own, never a continuation of the utterance before (`asr.continue_gap_s`), so a talk-over that starts
+        soon after is not decoded behind the question it follows."""
+        self._turn_over = True
+        self._spoke_until = None
 
     def _maybe_pause(self) -> None:
         pause_ms = self._config.pause_ms

@@ -150,6 +150,9 @@ class VoiceLoop:
                         self.far_end.skip(self.playout.sent)
                 case ReplyDelta(reply=reply, text=text):
                     self._send_token(reply, text)
+                case TurnEnded():
+                    session.turn_ended()  # (speech after it is the next turn, not a breath of this one)
+                    self._send_event(out)
                 case _:
                     self._send_event(out)
         session.note_reply_audio(conv.starved and self._listening(), now)

@@ -263,9 +263,11 @@ def test_speech_resuming_after_a_pause_is_the_next_utterance() -> None:
     assert updates and all(e.utterance == 2 and e.words[0].text == "I" for e in updates)
 
 
-@pytest.mark.parametrize(("silence_chunks", "continues"), [(20, 1), (60, None)])
+@pytest.mark.parametrize(
+    ("silence_chunks", "turn_ended", "continues"), [(20, False, 1), (60, False, None), (20, True, None)]
+)
 def test_speech_soon_after_the_end_of_speech_continues_the_utterance_before(
-    silence_chunks: int, continues: int | None
+    silence_chunks: int, turn_ended: bool, continues: int | None
 ) -> None:
     # VAD ends speech after 500 ms of silence; a speaker who goes on 0.64 s after the last word (a sentence
     # said with a breath: "Ask not" ... "what your country") still continues it; 1.9 s later is fresh speech.
@@ -274,6 +276,8 @@ def test_speech_soon_after_the_end_of_speech_continues_the_utterance_before(
     first = session.prepare_pass()
     assert first.final
     session.apply_pass(first, pass_result(("Ask", 0.5), ("not.", 0.8)))
+    if turn_ended:  # (before VAD's end of speech) the turn ended at that pause: speech after it is a new turn,
+        session.turn_ended()  # a talk-over over the reply, not the user's breath
     drive_more(session, [Q] * (silence_chunks - 7) + [S] * 20 + [Q] * 7)
     request = session.prepare_pass()
     assert request.final

@@ -42,9 +42,13 @@ class FakeSession:
     asr_settled: bool = True
     voiced_ms: float = 0.0
     starved: list[bool] = field(default_factory=list)
+    turns_ended: int = 0
 
     def note_reply_audio(self, starved: bool, now: float) -> None:
         self.starved.append(starved)
+
+    def turn_ended(self) -> None:
+        self.turns_ended += 1
 
 
 class Recorder:
@@ -130,6 +134,7 @@ def test_a_reply_goes_token_by_token_to_the_client_and_its_audio_is_paced() -> N
     voice, rec, session = loop()
     turn = ask(voice, session)
     assert [type(e) for e in rec.of("event")[-2:]] == [TurnEnded, ReplyStarted]
+    assert session.turns_ended == 1  # (speech after it is the next turn, never a continuation of this one)
     assert cmd.StartReply(turn) in rec.of("dialog")
     voice.reply_text(turn, ["Paris", "Paris is", "Paris is the capital."], True, 3.1)
     assert rec.of("token") == ["Paris", " is", " the capital."]
