@@ -28,7 +28,7 @@ _CONTINUE_WITHIN_S = 6.0  # a pause's context is kept this long (speech resumes 
 _ALIGN_SLACK = 3  # words beyond the context's length searched for it at a continuation's head
 _TIME_TOLERANCE_S = 0.1
 _ONSET_SLACK_S = 0.5  # a continuation's context word found again starts at most this long after its onset
-_STALL_S = 1.0  # a continuation whose passes read nothing past its context this long after its onset drops it
+_STALL_S = 1.0  # a continuation none of whose passes read past its context this long after its onset drops it
 _SAID_WORDS = 128  # committed words kept for the decoder prompt (it uses at most `prompt_chars` of them)
 _SENTENCE_ENDS = (".", "?", "!")
 
@@ -124,6 +124,7 @@ class StreamingTranscriber:
         self._resumable: _Resumable | None = None  # the last final, while speech may continue it
         self._continues: _Resumable | None = None  # the final the open utterance continues
         self._join: Word | None = None  # a continuation's pass found the last context word: as it read there
+        self._read_new = False  # a pass of this continuation has read words past its context
         self._onset_s = 0.0  # where the open utterance's own speech began (a continuation's window starts before)
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
         self._last_partial: tuple[tuple[Word, ...], int, int] | None = None
@@ -198,6 +199,7 @@ class StreamingTranscriber:
         self._generation += 1
         self._continues = self._resumable if continues else None
         self._join = None
+        self._read_new = False
         self._onset_s = start / ASR_SAMPLE_RATE
         if self._continues is not None:
             start = max(self._ring.start, min(start, self._continues.start))
@@ -291,7 +293,9 @@ class StreamingTranscriber:
         words = [Word(w.text, w.start_s + offset_s, w.end_s + offset_s) for w in result.words]
         if self._continues is not None:
             words = self._after_context(words)
-            if not words and not request.final and request.end_sample / ASR_SAMPLE_RATE - self._onset_s >= _STALL_S:
+            self._read_new = self._read_new or bool(words)
+            late = request.end_sample / ASR_SAMPLE_RATE - self._onset_s >= _STALL_S
+            if not self._read_new and not request.final and late:
                 self._drop_context()
                 return []
         self._decoded_until = max(self._decoded_until, request.end_sample)
@@ -351,11 +355,13 @@ class StreamingTranscriber:
         """The continuation's passes read the context and stop there, its new speech unread: Whisper ended
         the sentence at the context's last word ("... his gospel." and nothing of a talk-over that followed,
         a new speaker), so nothing was shown until the final pass. From now on it is an utterance of its own,
-        decoded from its onset (with the preroll)."""
+        decoded from the end of the context's last word (or its onset less the preroll, if later)."""
+        assert self._continues is not None
+        onset = int(self._onset_s * ASR_SAMPLE_RATE) - int(self._config.preroll_s * ASR_SAMPLE_RATE)
+        context_end = int(self._continues.context[-1].end_s * ASR_SAMPLE_RATE)
         self._continues = None
         self._join = None
-        onset = int(self._onset_s * ASR_SAMPLE_RATE) - int(self._config.preroll_s * ASR_SAMPLE_RATE)
-        self._window_start = self._decoded_until = max(self._ring.start, onset)
+        self._window_start = self._decoded_until = max(self._ring.start, onset, context_end)
         self._agreement.reset()
 
     def _after_context(self, words: list[Word]) -> list[Word]:

@@ -568,20 +568,37 @@ def test_a_continuation_of_a_short_continuation_reaches_back_into_the_utterance_
 def test_a_continuation_whose_passes_stop_at_the_context_is_decoded_from_its_onset() -> None:
     # Whisper ends the sentence at the context's last word and reads nothing of the new speech (a talk-over
     # in another voice after "... best."): past a second of new speech, the utterance is decoded alone.
+    # (A continuation that has read new words keeps its context through a pass that reads none: clip06's
+    # "review." | "of activities" lost its "of" when one pass read only "the".)
     t, _ = _finalized_at_a_pause()
     context = [(w, a + 1.0, b + 1.0) for w, a, b in SUNDAY[2:]]  # (stream times: said from 1.0 s on)
     request = t.prepare_pass()  # (its new speech from 3.2 s, 1.1 s of it fed)
     assert request.start_sample < int(3.2 * SR)  # (the continuation's window: from "Sunday")
     offset_s = request.start_sample / SR
     assert t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in context])) == []
-    request = t.prepare_pass()  # at once: the new speech from its onset (less the preroll), no context
-    assert request.start_sample == int((3.2 - 0.5) * SR) and not request.final
+    request = t.prepare_pass()  # at once: the new speech from the end of "best." (3.0 s), no context
+    assert request.start_sample == int(3.0 * SR) and not request.final
     events = t.apply_pass(request, result([("Stop", 0.6, 0.9), ("please.", 1.0, 1.4)]))
     (update,) = events
     assert isinstance(update, TranscriptUpdated) and texts(update.words) == ["Stop", "please."]
     t.speech_stopped(t.samples / SR)
     (final,) = t.apply_pass(t.prepare_pass(), result([("Stop", 0.6, 0.9), ("please.", 1.0, 1.4)]))
     assert isinstance(final, UtteranceFinalized) and final.continues is None  # (no join with the words before)
+
+
+def test_a_continuation_that_read_new_words_keeps_its_context_through_a_pass_that_reads_none() -> None:
+    t, _ = _finalized_at_a_pause()
+    context = [(w, a + 1.0, b + 1.0) for w, a, b in SUNDAY[2:]]
+    request = t.prepare_pass()
+    offset_s = request.start_sample / SR
+    heard = [*context, ("part", 3.3, 3.6)]
+    assert t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in heard]))
+    feed(t, 0.3)
+    request = t.prepare_pass()
+    offset_s = request.start_sample / SR
+    t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in context]))  # (a glitch)
+    feed(t, 0.3)
+    assert t.prepare_pass().start_sample == request.start_sample  # (still decoded with its context)
 
 
 def test_fresh_speech_after_a_final_is_no_continuation() -> None:
