@@ -292,10 +292,14 @@ class StreamingTranscriber:
         offset_s = request.start_sample / ASR_SAMPLE_RATE
         words = [Word(w.text, w.start_s + offset_s, w.end_s + offset_s) for w in result.words]
         if self._continues is not None:
+            # (its window holds the context's words, which were said: a pass that reads nothing at all failed;
+            # clip06's "review." | "of activities they're under" read nothing four passes running, and the
+            # final too, and the words were lost)
+            failed = not words
             words = self._after_context(words)
             self._read_new = self._read_new or bool(words)
             late = request.end_sample / ASR_SAMPLE_RATE - self._onset_s >= _STALL_S
-            if not self._read_new and not request.final and late:
+            if failed or (not self._read_new and not request.final and late):
                 self._drop_context()
                 return []
         self._decoded_until = max(self._decoded_until, request.end_sample)
@@ -319,7 +323,7 @@ class StreamingTranscriber:
         words = tuple(self._committed)
         self._said.extend(words)
         events: list[Event] = []
-        if words:
+        if words or self._last_partial is not None:  # (an utterance shown is always closed, if with no words)
             events.append(UtteranceFinalized(self._utterance, words, *self._joined()))
         # (a continuation's context reaches back into the utterance it continued where its own words are few)
         before = self._continues.words if self._continues is not None else ()
@@ -354,14 +358,19 @@ class StreamingTranscriber:
     def _drop_context(self) -> None:
         """The continuation's passes read the context and stop there, its new speech unread: Whisper ended
         the sentence at the context's last word ("... his gospel." and nothing of a talk-over that followed,
-        a new speaker), so nothing was shown until the final pass. From now on it is an utterance of its own,
-        decoded from the end of the context's last word (or its onset less the preroll, if later)."""
+        a new speaker), so nothing was shown until the final pass; or a pass read nothing at all. From now
+        on it is an utterance of its own, decoded from the end of the context's last word (or of its own
+        committed words, or its onset less the preroll, whichever is latest). A final pass is run again."""
         assert self._continues is not None
         onset = int(self._onset_s * ASR_SAMPLE_RATE) - int(self._config.preroll_s * ASR_SAMPLE_RATE)
         context_end = int(self._continues.context[-1].end_s * ASR_SAMPLE_RATE)
+        committed_end = int(self._committed[-1].end_s * ASR_SAMPLE_RATE) if self._committed else 0
         self._continues = None
         self._join = None
-        self._window_start = self._decoded_until = max(self._ring.start, onset, context_end)
+        start = max(self._ring.start, onset, context_end, committed_end)
+        if self._final_end is not None:
+            start = min(start, self._final_end)
+        self._window_start = self._decoded_until = start
         self._agreement.reset()
 
     def _after_context(self, words: list[Word]) -> list[Word]:

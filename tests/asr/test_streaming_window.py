@@ -601,6 +601,35 @@ def test_a_continuation_that_read_new_words_keeps_its_context_through_a_pass_tha
     assert t.prepare_pass().start_sample == request.start_sample  # (still decoded with its context)
 
 
+def test_a_continuation_pass_that_reads_nothing_at_all_failed_and_the_final_is_decoded_again_alone() -> None:
+    # Measured (bench voice, clip06): "review." | "of activities they're under": a pass read "of activities.",
+    # then the passes over the window (which holds the context's words) read nothing, the final pass too,
+    # and the utterance was lost; its partial had been shown, so the turn waited for its final for ever.
+    t, _ = _finalized_at_a_pause()
+    context = [(w, a + 1.0, b + 1.0) for w, a, b in SUNDAY[2:]]
+    request = t.prepare_pass()
+    offset_s = request.start_sample / SR
+    heard = [*context, ("part", 3.3, 3.6)]
+    (shown,) = t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in heard]))
+    assert isinstance(shown, TranscriptUpdated) and texts(shown.words) == ["part"]
+    t.speech_stopped(t.samples / SR)
+    final = t.prepare_pass()
+    assert final.final and t.apply_pass(final, Transcription(())) == []  # (failed: run again, alone)
+    again = t.prepare_pass()
+    assert again.final and again.start_sample == int(3.0 * SR)  # (from the end of "best.")
+    (done,) = t.apply_pass(again, result([("part", 0.3, 0.6), ("of", 0.7, 0.8), ("it.", 0.9, 1.1)]))
+    assert isinstance(done, UtteranceFinalized) and texts(done.words) == ["part", "of", "it."]
+
+
+def test_an_utterance_shown_in_a_partial_is_always_closed_by_a_final_if_with_no_words() -> None:
+    t = _open_at_1s()
+    (shown,) = t.apply_pass(t.prepare_pass(), result([("um", 0.1, 0.3)]))
+    assert isinstance(shown, TranscriptUpdated)
+    t.speech_stopped(t.samples / SR, voiced_end_s=1.05)  # ("um" starts after the last voiced audio: made up)
+    (done,) = t.apply_pass(t.prepare_pass(), result([("um", 0.1, 0.3)]))
+    assert isinstance(done, UtteranceFinalized) and done.utterance == shown.utterance and done.words == ()
+
+
 def test_fresh_speech_after_a_final_is_no_continuation() -> None:
     t, _ = _finalized_at_a_pause()
     t.speech_stopped(4.2)
