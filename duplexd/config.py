@@ -374,6 +374,11 @@ class TurnConfig:
     the reply's words, no longer recognizes). `cancel`: VAD and the recognizer hear the cancelled audio.
     `off` (the default until `bench voice` shows a mode that helps: docs/benchmarks.md, "Turn-taking").
     About 2 % of a core per session."""
+    echo_word_db: float = 10.0
+    """A word heard during a reply whose audio the echo canceller took this many dB or more out of is the
+    reply's echo, not the user (0: off). Needs `echo_cancellation` on, and only once the microphone is heard
+    to follow the loudspeaker. Measured: the reply's echo alone loses 15-65 dB, a user talking over it as
+    loud as it 3-6 dB (docs/benchmarks.md, "Turn-taking ... sixth part")."""
     echo_similarity: float = 0.6
     """Speech heard during a reply that matches a stretch of the reply this well (0..1) is its own echo
     (the second line, after echo cancellation: what the canceller leaves that the recognizer still hears)."""
@@ -396,6 +401,7 @@ class TurnConfig:
             self.echo_cancellation,
             "gate, cancel or off",
         )
+        _require(self.echo_word_db >= 0.0, "turn.echo_word_db", self.echo_word_db, ">= 0")
         _require(0.0 < self.echo_similarity <= 1.0, "turn.echo_similarity", self.echo_similarity, "in (0, 1]")
         _require(self.barge_in_partial_words >= 1, "turn.barge_in_partial_words", self.barge_in_partial_words, ">= 1")
         _require(

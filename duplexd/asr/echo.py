@@ -62,6 +62,7 @@ class EchoCanceller:
         self._heard = np.zeros(DELAY_SAMPLES, np.float32)  # the same, as heard / as cancelled
         self._cancelled = np.zeros(DELAY_SAMPLES, np.float32)
         self.heard = self.cancelled = np.zeros(0, np.float32)  # the last `process`'s span, for `echo_only`
+        self.levels = np.zeros((0, 2))  # the last `echo_only`'s chunks: energy as heard, as left (NaN: no echo)
         self._blocks = 0
         self._far_env: deque[float] = deque(maxlen=_ENV_BLOCKS)  # log energy per block
         self._mic_env: deque[float] = deque(maxlen=_ENV_BLOCKS)
@@ -131,16 +132,62 @@ class EchoCanceller:
         microphone heard the reply and nothing else. VAD takes such a chunk as silence (what is left of an
         echo is no one talking). The user talking over the reply is not cancelled: their chunks keep most
         of their energy. Before the canceller has converged (the first reply's first second or so) it
-        takes little out, and this says False: the text check behind it still knows the reply's words."""
+        takes little out, and this says False: the text check behind it still knows the reply's words.
+
+        Each chunk's energy as heard and as left by the canceller goes to `levels` (NaN where there was no
+        echo to cancel: the loudspeaker silent, or not heard): how much of a word heard over the reply was
+        its echo (`EchoLevels`)."""
         mic, out = self.heard.reshape(far.shape), self.cancelled.reshape(far.shape)
         flags = np.zeros(len(mic), bool)
+        self.levels = np.full((len(mic), 2), np.nan)
         for i in range(len(mic)):
             self._far_levels.append(float(np.mean(np.square(far[i], dtype=np.float64))))
             heard = float(np.mean(np.square(mic[i], dtype=np.float64)))
             left = float(np.mean(np.square(out[i], dtype=np.float64)))
             playing = max(self._far_levels) > _FAR_ACTIVE
             flags[i] = self.echo_heard and playing and heard > 0 and left < heard * 10 ** (-ECHO_GATE_DB / 10)
+            if self.echo_heard and playing:
+                self.levels[i] = heard, left
         return flags
+
+
+class EchoLevels:
+    """How much of what the microphone heard, chunk by chunk, was the reply's echo: each VAD chunk's energy
+    as heard and as the canceller left it, on the stream's timeline (the recognizer's word times), for the
+    last `max_s`. Bounded; event loop only (the VAD worker hands each batch's levels back with its
+    probabilities).
+
+    A word heard over the reply that the canceller took most of out (`attenuation_db`) was its echo, whatever
+    Whisper made of it ("This is" of a garbled "I'm a voice assistant"); a user talking over the reply keeps
+    most of their energy (-1.4 dB median chunk through a room, docs/benchmarks.md)."""
+
+    def __init__(self, chunk_s: float, max_s: float = 60.0) -> None:
+        self._chunk_s = chunk_s
+        self._levels = np.full((max(1, int(max_s / chunk_s)), 2), np.nan)
+        self._end = 0  # chunks recorded (the next chunk's index)
+
+    def extend(self, levels: np.ndarray | None, n: int) -> None:
+        """The next `n` chunks' levels (None: no canceller ran on them)."""
+        size = len(self._levels)
+        rows = np.full((n, 2), np.nan) if levels is None else levels[-size:]
+        at = np.arange(self._end + n - len(rows), self._end + n) % size
+        self._levels[at] = rows
+        self._end += n
+
+    def attenuation_db(self, start_s: float, end_s: float) -> float | None:
+        """How many dB the canceller took out of the audio over [start_s, end_s), its chunks' energy summed;
+        None where fewer than half of those chunks had an echo to cancel (or they are no longer kept)."""
+        size = len(self._levels)
+        lo = max(int(start_s / self._chunk_s), self._end - size, 0)
+        hi = min(max(int(np.ceil(end_s / self._chunk_s)), lo + 1), self._end)
+        if hi <= lo:
+            return None
+        rows = self._levels[np.arange(lo, hi) % size]
+        known = rows[~np.isnan(rows[:, 0])]
+        if 2 * len(known) < len(rows):
+            return None
+        heard, left = known.sum(axis=0)
+        return float(10 * np.log10((heard + 1e-12) / (left + 1e-12)))
 
 
 def _log_energy(x: np.ndarray) -> float:

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -36,10 +36,17 @@ log = logging.getLogger(__name__)
 class _VadJob:
     stream: VadStream
     chunks: np.ndarray
-    done: asyncio.Future[tuple[np.ndarray, np.ndarray]]
+    done: asyncio.Future[VadResult]
     echo: EchoCanceller | None = None
     far: np.ndarray | None = None  # the echo canceller's reference for these chunks
     echo_only: np.ndarray | None = None  # per chunk: the reply's echo and nothing else (VAD: silence)
+    echo_levels: np.ndarray | None = None  # per chunk: energy as heard, as cancelled (`EchoCanceller.levels`)
+
+
+class VadResult(NamedTuple):
+    probs: np.ndarray  # per chunk: P(speech)
+    chunks: np.ndarray  # the chunks as the echo canceller returns them (as given without one)
+    echo_levels: np.ndarray | None  # per chunk: energy as heard, as cancelled (None: no canceller ran)
 
 
 class TurnAudioWorker:
@@ -108,10 +115,11 @@ class VadWorker:
         *,
         echo: EchoCanceller | None = None,
         far: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The speech probability of each chunk, and the chunks as `echo` returns them (as given without one)."""
+    ) -> VadResult:
+        """The speech probability of each chunk, the chunks as `echo` returns them (as given without one), and
+        what the canceller took out of each."""
         if len(chunks) == 0:
-            return np.zeros(0, np.float32), chunks
+            return VadResult(np.zeros(0, np.float32), chunks, None)
         job = _VadJob(stream, chunks, asyncio.get_running_loop().create_future(), echo, far)
         try:
             self._queue.put_nowait(job)
@@ -126,6 +134,7 @@ class VadWorker:
                 shape = job.chunks.shape
                 job.chunks = job.echo.process(job.chunks.reshape(-1), job.far).reshape(shape)
                 job.echo_only = job.echo.echo_only(job.far.reshape(shape))
+                job.echo_levels = job.echo.levels
                 self.echo_gated += int(job.echo_only.sum())
                 self.echo_audio_s += job.chunks.size / ASR_SAMPLE_RATE
         self.echo_s += time.perf_counter() - t0
@@ -152,7 +161,7 @@ class VadWorker:
                 continue
             for job, p in zip(jobs, probs, strict=True):
                 if not job.done.done():
-                    job.done.set_result((p, job.chunks))
+                    job.done.set_result(VadResult(p, job.chunks, job.echo_levels))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -205,6 +205,9 @@ class Conversation:
         self.auto_turns = auto_turns  # False: a turn ends only by `commit`/`respond` (the client decides)
         self.auto_respond = auto_respond  # False: a turn that ends waits for `respond` to be answered
         self.barge_in = True  # False: the user's words never stop a reply (they wait for the next turn)
+        # How many dB the echo canceller took out of the microphone over a span of the stream (None: it had
+        # no echo to cancel there); set by the shell for a session that cancels its echo.
+        self.echo_db: Callable[[float, float], float | None] | None = None
         self.max_reply_tokens: int | None = None  # each reply's text ends after this many tokens (None: no cap)
         self._spoken: _Reply | None = None  # the last reply that ended, for `truncate`
         self._held_appends: list[AppendUserText] = []  # with auto_turns off: words not committed by the client
@@ -554,7 +557,20 @@ class Conversation:
         if not heard or r.echo_score(text) >= self._turn.echo_similarity:
             return []
         reply_words = r.words()
-        return [w for w in heard if (n := _norm(w.text)) not in self._backchannels and not _near(n, reply_words)]
+        return [
+            w
+            for w in heard
+            if (n := _norm(w.text)) not in self._backchannels and not _near(n, reply_words) and not self._echoed(w)
+        ]
+
+    def _echoed(self, word: Word) -> bool:
+        """The echo canceller took `turn.echo_word_db` or more out of the audio under `word`: the microphone
+        heard the loudspeaker there, whatever the recognizer made of it ("This is" of a garbled echo)."""
+        limit = self._turn.echo_word_db
+        if not limit or self.echo_db is None:
+            return False
+        db = self.echo_db(word.start_s, word.end_s)
+        return db is not None and db >= limit
 
     def _ignorable(self, words: tuple[Word, ...], r: _Reply) -> bool:
         return not self._meaningful(words, r)

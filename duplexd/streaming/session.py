@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from duplexd.asr.echo import EchoCanceller
+from duplexd.asr.echo import EchoCanceller, EchoLevels
 from duplexd.asr.engine import Transcription
 from duplexd.asr.streaming import PassRequest, StreamingTranscriber
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES, VAD_SAMPLE_RATE, VadHysteresis, VadStream
@@ -54,6 +54,7 @@ class Session:
         self._resampler = StreamResampler(sample_rate, VAD_SAMPLE_RATE)
         self.vad_stream = VadStream()
         self.echo: EchoCanceller | None = None  # (set by the shell for a session with reply audio; VAD worker only)
+        self.echo_levels = EchoLevels(VAD_CHUNK_SAMPLES / VAD_SAMPLE_RATE)  # what the canceller took out, per chunk
         self._hysteresis = VadHysteresis(config.vad)
         self.transcriber = StreamingTranscriber(config.asr)
         self._vad_buf = np.zeros(0, np.float32)
@@ -142,9 +143,13 @@ class Session:
         self._vad_buf = self._vad_buf[k * VAD_CHUNK_SAMPLES :]
         return chunks
 
-    def apply_vad(self, chunks: np.ndarray, probs: np.ndarray, now: float) -> list[Event]:
-        """Apply VAD results for the chunks `accept_frame` returned; the frames behind them are now done."""
+    def apply_vad(
+        self, chunks: np.ndarray, probs: np.ndarray, now: float, echo_levels: np.ndarray | None = None
+    ) -> list[Event]:
+        """Apply VAD results for the chunks `accept_frame` returned; the frames behind them are now done.
+        `echo_levels`: what the echo canceller took out of each chunk (`EchoCanceller.levels`)."""
         events: list[Event] = []
+        self.echo_levels.extend(echo_levels, len(chunks))
         for chunk, prob in zip(chunks, probs, strict=True):
             events.extend(self.transcriber.append(chunk))
             self._keep(chunk)

@@ -427,6 +427,7 @@ class Connection:
             far_end = None
             if (mode := server.config.turn.echo_cancellation) != "off":  # (a session with reply audio)
                 session.echo, far_end = EchoCanceller(replace_audio=mode == "cancel"), FarEnd(OUTPUT_SAMPLE_RATE)
+                self.conversation.echo_db = session.echo_levels.attenuation_db
             self.voice = VoiceLoop(
                 session,
                 self.conversation,
@@ -473,8 +474,8 @@ class Connection:
         far = None
         if session.echo is not None and self.voice is not None and len(chunks):
             far = self.voice.echo_reference(chunks.size, time.monotonic())
-        probs, chunks = await self.server.vad.probabilities(session.vad_stream, chunks, echo=session.echo, far=far)
-        self.emit(session.apply_vad(chunks, probs, time.monotonic()))  # (the VAD's answer arrives now)
+        vad = await self.server.vad.probabilities(session.vad_stream, chunks, echo=session.echo, far=far)
+        self.emit(session.apply_vad(vad.chunks, vad.probs, time.monotonic(), vad.echo_levels))  # (arrives now)
         if session.wants_pass():
             self.server.asr.notify()
         if (pause := session.take_pause_audio()) is not None and self.server.turn_audio is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from duplexd.asr.echo import BLOCK_SAMPLES, DELAY_SAMPLES, EchoCanceller, FarEnd
+from duplexd.asr.echo import BLOCK_SAMPLES, DELAY_SAMPLES, EchoCanceller, EchoLevels, FarEnd
 from duplexd.bench import room
 from duplexd.clients.clips import Clip, load
 
@@ -58,6 +58,33 @@ def test_the_reply_echo_through_a_room_is_cancelled_and_the_user_still_heard(cli
     # Far end silent: the user's speech passes (delayed by one block, high-passed, its level kept).
     quiet = run(EchoCanceller(replace_audio=True), user, np.zeros_like(user), 512)
     assert abs(energy_db(quiet[DELAY_SAMPLES:]) - energy_db(user[: len(user) - DELAY_SAMPLES])) < 2.0
+
+
+def test_a_span_of_echo_loses_most_of_its_energy_to_the_canceller_and_a_user_over_it_little(
+    clip_by_name: dict[str, Clip],
+) -> None:
+    """The evidence a word heard over the reply is its echo: how much the canceller took out of its span."""
+    far = speech(clip_by_name["clip24_lecture_60s.wav"], 8.0)
+    user = speech(clip_by_name["clip16_sb_example1.wav"], 2.0)
+    path = room.EchoPath(room.RoomSpec(rt60_s=0.4, delay_ms=120, gain=0.5, seed=2, drift_ms=3.0))
+    echo = np.concatenate([path(far[i : i + 512]) for i in range(0, len(far), 512)])
+    talk = echo.copy()
+    talk[5 * RATE : 7 * RATE] += user * 10 ** ((energy_db(echo[5 * RATE : 7 * RATE]) - energy_db(user)) / 20)  # (0 dB)
+    canceller, levels = EchoCanceller(), EchoLevels(512 / RATE, max_s=10.0)
+    levels.extend(None, 3)  # (chunks before the canceller ran: no record, and the timeline still counts them)
+    for i in range(0, len(talk), 512):
+        canceller.process(talk[i : i + 512], far[i : i + 512])
+        canceller.echo_only(far[i : i + 512].reshape(1, -1))
+        levels.extend(canceller.levels, 1)
+    t0 = 3 * 512 / RATE
+    assert levels.attenuation_db(0.0, t0) is None  # (no canceller there)
+    echo_db = levels.attenuation_db(t0 + 3.0, t0 + 4.5)  # (converged, the echo alone)
+    user_db = levels.attenuation_db(t0 + 5.0, t0 + 7.0)  # (the user talking over it as loud as it)
+    assert echo_db is not None and user_db is not None
+    assert echo_db > 15 and user_db < 8, (echo_db, user_db)  # (measured: 38 and 5.4 dB)
+    # Bounded: only the last 10 s are kept, a span older than that is not known.
+    levels.extend(canceller.levels, int(10 * RATE / 512))
+    assert levels.attenuation_db(t0 + 3.0, t0 + 4.5) is None
 
 
 def test_the_output_does_not_depend_on_how_the_audio_was_chunked(clip_by_name: dict[str, Clip]) -> None:

@@ -287,6 +287,29 @@ def test_pieces_and_near_misses_of_the_reply_s_words_are_its_echo() -> None:
     assert of(out, ReplyInterrupted)
 
 
+def test_words_whose_audio_the_echo_canceller_took_out_are_the_reply_s_echo() -> None:
+    """Measured (bench voice, clip09's reply through a room at 0 dB): its echo came back as "This is", in no
+    word of the reply, and the two words interrupted it. The canceller had taken 15-65 dB out of the echo
+    alone; a user talking over it as loud as it loses 3-6 dB."""
+    conv = unpaused()
+    cancelled_db = {2.0: 30.0, 4.0: 4.0}  # (the audio from 2 s on: echo only; from 4 s on: someone talking)
+    conv.echo_db = lambda start_s, end_s: next(
+        db for t, db in sorted(cancelled_db.items(), reverse=True) if start_s >= t
+    )
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "I'm sorry for the mistake, but I'm a voice assistant."))
+    assert conv.observe([TranscriptUpdated(2, words("This is", start=2.5), 2)]) == []
+    assert conv.observe([UtteranceFinalized(2, words("This is it", start=2.5))]) == []
+    out = conv.observe([TranscriptUpdated(3, words("no stop", start=4.2), 2)])
+    assert of(out, ReplyInterrupted)
+    # Where the canceller had no echo to cancel (None: the loudspeaker silent, or not heard), words count.
+    conv = unpaused()
+    conv.echo_db = lambda start_s, end_s: None
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "I'm sorry for the mistake, but I'm a voice assistant."))
+    assert of(conv.observe([TranscriptUpdated(2, words("This is", start=2.5), 2)]), ReplyInterrupted)
+
+
 def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
     reply = "she had your dog suit and greasy wash water all year"
     for heard in ("she hid your dux", "dog suit and greasy wash water", "see dux greasie watter"):
