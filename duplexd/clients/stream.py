@@ -62,7 +62,7 @@ class StreamResult:
             if "previous_text" in final and final.get("continues") in texts:
                 texts[final["continues"]] = final["previous_text"]
             texts[final["utterance"]] = final["text"]
-        return " ".join(texts.values()).strip()
+        return " ".join(t for t in texts.values() if t).strip()  # (an utterance can end with no words)
 
 
 class SessionRefused(RuntimeError):

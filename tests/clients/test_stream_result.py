@@ -23,3 +23,9 @@ def test_a_join_that_changed_nothing_keeps_the_text_before() -> None:
     result = StreamResult("s", 0.0, 1.0)
     result.events += [final(1, "Sunday is the best."), final(2, "Really.", continues=1)]
     assert result.text == "Sunday is the best. Really."
+
+
+def test_an_utterance_that_ended_with_no_words_adds_nothing() -> None:
+    result = StreamResult("s", 0.0, 1.0)
+    result.events += [final(1, "Hello."), final(2, ""), final(3, "Again.")]
+    assert result.text == "Hello. Again."
