@@ -25,6 +25,12 @@ def result(*segments: list[tuple[str, float, float]]) -> Transcription:
     )
 
 
+def at_stream_times(request: PassRequest, words: list[tuple[str, float, float]]) -> Transcription:
+    """A pass result for `words` given at stream times, relative to the window as an engine reports them."""
+    offset_s = request.start_sample / SR
+    return result([(w, a - offset_s, b - offset_s) for w, a, b in words])
+
+
 def feed(t: StreamingTranscriber, seconds: float, chunk: int = CHUNK) -> list[Event]:
     """Append `seconds` of audio whose sample values are their absolute indices / 1e6."""
     events: list[Event] = []
@@ -458,6 +464,7 @@ def test_speech_during_a_final_pass_opens_the_next_utterance() -> None:
 
 SUNDAY = [("I", 0.1, 0.2), ("said", 0.3, 0.6), ("Sunday", 0.7, 1.1), ("is", 1.2, 1.3), ("the", 1.4, 1.5)]
 SUNDAY += [("best.", 1.6, 2.0)]
+CONTEXT = [(w, a + 1.0, b + 1.0) for w, a, b in SUNDAY[2:]]  # "Sunday is the best." at stream times
 
 
 def _finalized_at_a_pause() -> tuple[StreamingTranscriber, UtteranceFinalized]:
@@ -532,9 +539,8 @@ def test_new_words_that_repeat_the_context_are_not_taken_for_it() -> None:
     t, _ = _finalized_at_a_pause()
     t.speech_stopped(5.0)
     request = t.prepare_pass()
-    offset_s = request.start_sample / SR
     heard = [("Sunday", 3.4, 3.7), ("is", 3.8, 3.9), ("the", 4.0, 4.1), ("best", 4.2, 4.5), ("day.", 4.6, 4.9)]
-    (final,) = t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in heard]))
+    (final,) = t.apply_pass(request, at_stream_times(request, heard))
     assert isinstance(final, UtteranceFinalized)
     assert texts(final.words) == ["Sunday", "is", "the", "best", "day."]
 
@@ -546,10 +552,9 @@ def test_a_continuation_of_a_short_continuation_reaches_back_into_the_utterance_
     t, _ = _finalized_at_a_pause()
     t.speech_stopped(4.1)
     request = t.prepare_pass()
-    offset_s = request.start_sample / SR
     said = [("Sunday", 1.7, 2.1), ("is", 2.2, 2.3), ("the", 2.4, 2.5), ("best", 2.6, 3.0)]
     part_of = [("part", 3.3, 3.6), ("of", 3.7, 3.9)]
-    (second,) = t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in said + part_of]))
+    (second,) = t.apply_pass(request, at_stream_times(request, said + part_of))
     assert isinstance(second, UtteranceFinalized) and texts(second.words) == ["part", "of"]
     feed(t, 0.5)
     t.speech_started(4.6, continues=True)
@@ -558,9 +563,8 @@ def test_a_continuation_of_a_short_continuation_reaches_back_into_the_utterance_
     request = t.prepare_pass()
     # From the end of "is": "the best part of" are the last 1.5 s of what was said (two utterances).
     assert request.start_sample == int(2.3 * SR)
-    offset_s = request.start_sample / SR
     heard = [*said[2:], *part_of, ("it.", 4.7, 5.0)]
-    (final,) = t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in heard]))
+    (final,) = t.apply_pass(request, at_stream_times(request, heard))
     assert isinstance(final, UtteranceFinalized)
     assert (texts(final.words), final.continues, final.previous) == (["it."], 2, None)
 
@@ -571,11 +575,9 @@ def test_a_continuation_whose_passes_stop_at_the_context_is_decoded_from_its_ons
     # (A continuation that has read new words keeps its context through a pass that reads none: clip06's
     # "review." | "of activities" lost its "of" when one pass read only "the".)
     t, _ = _finalized_at_a_pause()
-    context = [(w, a + 1.0, b + 1.0) for w, a, b in SUNDAY[2:]]  # (stream times: said from 1.0 s on)
     request = t.prepare_pass()  # (its new speech from 3.2 s, 1.1 s of it fed)
     assert request.start_sample < int(3.2 * SR)  # (the continuation's window: from "Sunday")
-    offset_s = request.start_sample / SR
-    assert t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in context])) == []
+    assert t.apply_pass(request, at_stream_times(request, CONTEXT)) == []
     request = t.prepare_pass()  # at once: the new speech from the end of "best." (3.0 s), no context
     assert request.start_sample == int(3.0 * SR) and not request.final
     events = t.apply_pass(request, result([("Stop", 0.6, 0.9), ("please.", 1.0, 1.4)]))
@@ -588,15 +590,12 @@ def test_a_continuation_whose_passes_stop_at_the_context_is_decoded_from_its_ons
 
 def test_a_continuation_that_read_new_words_keeps_its_context_through_a_pass_that_reads_none() -> None:
     t, _ = _finalized_at_a_pause()
-    context = [(w, a + 1.0, b + 1.0) for w, a, b in SUNDAY[2:]]
     request = t.prepare_pass()
-    offset_s = request.start_sample / SR
-    heard = [*context, ("part", 3.3, 3.6)]
-    assert t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in heard]))
+    heard = [*CONTEXT, ("part", 3.3, 3.6)]
+    assert t.apply_pass(request, at_stream_times(request, heard))
     feed(t, 0.3)
     request = t.prepare_pass()
-    offset_s = request.start_sample / SR
-    t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in context]))  # (a glitch)
+    t.apply_pass(request, at_stream_times(request, CONTEXT))  # (a glitch)
     feed(t, 0.3)
     assert t.prepare_pass().start_sample == request.start_sample  # (still decoded with its context)
 
@@ -606,11 +605,9 @@ def test_a_continuation_pass_that_reads_nothing_at_all_failed_and_the_final_is_d
     # then the passes over the window (which holds the context's words) read nothing, the final pass too,
     # and the utterance was lost; its partial had been shown, so the turn waited for its final for ever.
     t, _ = _finalized_at_a_pause()
-    context = [(w, a + 1.0, b + 1.0) for w, a, b in SUNDAY[2:]]
     request = t.prepare_pass()
-    offset_s = request.start_sample / SR
-    heard = [*context, ("part", 3.3, 3.6)]
-    (shown,) = t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in heard]))
+    heard = [*CONTEXT, ("part", 3.3, 3.6)]
+    (shown,) = t.apply_pass(request, at_stream_times(request, heard))
     assert isinstance(shown, TranscriptUpdated) and texts(shown.words) == ["part"]
     t.speech_stopped(t.samples / SR)
     final = t.prepare_pass()
