@@ -72,9 +72,9 @@ class AsrConfig:
     # VAD's end of speech: it is decoded with that utterance's last words before it, and its final says
     # which utterance it continues (`continues`), so a sentence said with a pause reads as one ("Ask not" +
     # "what your country..." came out "Ask not! Like your country..." decoded alone). 0: only speech that
-    # resumes before VAD's end of speech continues. Off by default: at 1.0 s a talk-over that began 0.86 s
-    # after the user's last words (as bench voice's does) was decoded as a continuation of their turn and
-    # never interrupted the reply (not yet traced).
+    # resumes before VAD's end of speech continues. Never across a turn end (`Session.turn_ended`): decoded
+    # behind the question, a talk-over 0.7 s after it was not read for 3.5 s and never interrupted the
+    # reply. Off by default until bench voice's pause scenarios have measured it on.
     continue_gap_s: float = 0.0
     prompt_chars: int = 200  # committed text before the window, kept as the decoder prompt
     # ... of which the engine passes at most this many tokens. Measured with tiny.en and word timestamps on

@@ -22,7 +22,7 @@ from collections import deque
 import numpy as np
 import soxr
 
-from duplexd.asr.vad import VAD_SAMPLE_RATE
+from duplexd.asr.vad import VAD_CHUNK_SAMPLES, VAD_SAMPLE_RATE
 from duplexd.errors import EngineError
 
 BLOCK_SAMPLES = VAD_SAMPLE_RATE // 100  # AEC3 takes 10 ms at a time
@@ -161,7 +161,7 @@ class EchoLevels:
     Whisper made of it ("This is" of a garbled "I'm a voice assistant"); a user talking over the reply keeps
     most of their energy (-1.4 dB median chunk through a room, docs/benchmarks.md)."""
 
-    def __init__(self, chunk_s: float, max_s: float = 60.0) -> None:
+    def __init__(self, chunk_s: float = VAD_CHUNK_SAMPLES / VAD_SAMPLE_RATE, max_s: float = 60.0) -> None:
         self._chunk_s = chunk_s
         self._levels = np.full((max(1, int(max_s / chunk_s)), 2), np.nan)
         self._end = 0  # chunks recorded (the next chunk's index)

@@ -54,7 +54,7 @@ class Session:
         self._resampler = StreamResampler(sample_rate, VAD_SAMPLE_RATE)
         self.vad_stream = VadStream()
         self.echo: EchoCanceller | None = None  # (set by the shell for a session with reply audio; VAD worker only)
-        self.echo_levels = EchoLevels(VAD_CHUNK_SAMPLES / VAD_SAMPLE_RATE)  # what the canceller took out, per chunk
+        self.echo_levels: EchoLevels | None = None  # what it took out, per chunk (set with it, before any audio)
         self._hysteresis = VadHysteresis(config.vad)
         self.transcriber = StreamingTranscriber(config.asr)
         self._vad_buf = np.zeros(0, np.float32)
@@ -149,7 +149,8 @@ class Session:
         """Apply VAD results for the chunks `accept_frame` returned; the frames behind them are now done.
         `echo_levels`: what the echo canceller took out of each chunk (`EchoCanceller.levels`)."""
         events: list[Event] = []
-        self.echo_levels.extend(echo_levels, len(chunks))
+        if self.echo_levels is not None:
+            self.echo_levels.extend(echo_levels, len(chunks))
         for chunk, prob in zip(chunks, probs, strict=True):
             events.extend(self.transcriber.append(chunk))
             self._keep(chunk)

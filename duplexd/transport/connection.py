@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from duplexd.asr.echo import EchoCanceller, FarEnd
+from duplexd.asr.echo import EchoCanceller, EchoLevels, FarEnd
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
 from duplexd.events import (
     Event,
@@ -427,6 +427,7 @@ class Connection:
             far_end = None
             if (mode := server.config.turn.echo_cancellation) != "off":  # (a session with reply audio)
                 session.echo, far_end = EchoCanceller(replace_audio=mode == "cancel"), FarEnd(OUTPUT_SAMPLE_RATE)
+                session.echo_levels = EchoLevels()
                 self.conversation.echo_db = session.echo_levels.attenuation_db
             self.voice = VoiceLoop(
                 session,
