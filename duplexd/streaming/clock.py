@@ -16,15 +16,19 @@ class PlaybackClock:
         (`anchor`, `rebase`) correct the real-time assumption."""
         self.reports = reports
         self.rate = rate
-        self._anchor: tuple[int, float] | None = None  # (samples played, when): a report or a known position
+        self._anchor: tuple[int, float] | None = None  # (samples played, when): a report, a known position
+        # or, while held, the estimate where the pause began
+        self._known: int | None = None  # the last report or known position (never an estimate)
         self._virtual = 0  # samples played by the assumed real-time client, before any anchor
         self._virtual_at = now
         self._held = False  # the client paused playback: its position stays where it was
 
     @property
     def reported(self) -> int | None:
-        """Samples played at the last anchor (None: none yet)."""
-        return None if self._anchor is None else self._anchor[0]
+        """Samples played at the last report or known position (None: none yet). Not the position estimated
+        where a pause began: that runs ahead of the client whenever its last report is late, and the client's
+        next report, which is the truth, may be below it."""
+        return self._known
 
     def played(self, sent: int, now: float) -> int:
         """Samples played by `now`, of the `sent` sent so far."""
@@ -43,23 +47,27 @@ class PlaybackClock:
         return self._virtual
 
     def report(self, samples: int, now: float) -> None:
-        """The client says it has played `samples` (never backwards)."""
-        self._anchor = (max(samples, self.reported or 0), now)
+        """The client says it has played `samples` (never behind its last report or a known position)."""
+        self._known = max(samples, self._known or 0)
+        self._anchor = (self._known, now)
 
     def anchor(self, samples: int, now: float) -> None:
         """The server knows the client's position: `samples` played at `now` (a truncate, a reply the client
         takes as over)."""
         self._anchor = (samples, now)
+        self._known = samples
 
     def rebase(self, sent: int, now: float) -> None:
         """The client skips what it had not played (a stopped reply): it is at the end of what it received."""
         self._virtual = sent
         if self._anchor is not None:
             self._anchor = (sent, now)
+            self._known = sent
 
     def hold(self, sent: int, now: float) -> None:
-        """The client pauses playback (`reply.paused`): the position stops where it is now; reports move it
-        (the client stops a little after the server says so)."""
+        """The client pauses playback (`reply.paused`): the position stops where it is estimated now; reports
+        move it, either way (the client stops a little after the server says so, and its last report may
+        be older than the estimate)."""
         if not self._held:
             self._anchor = (self.played(sent, now), now)
             self._held = True

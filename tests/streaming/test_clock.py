@@ -67,3 +67,16 @@ def test_a_held_clock_stays_where_the_client_paused_and_plays_on_from_there() ->
     assert reports.played(sent=9000, now=3.0) == 1300
     reports.release(now=3.0)
     assert reports.played(sent=9000, now=3.5) == 1800
+
+
+def test_a_report_below_the_position_estimated_at_a_pause_is_the_truth() -> None:
+    # The browser test's bad_playback: the server paused the reply at its real-time estimate (4374.9 ms),
+    # ahead of the client's last report; the client then reported where it really stopped (4371.1 ms).
+    clock = PlaybackClock(0.0, reports=True, rate=R)
+    clock.report(1000, now=1.0)
+    clock.hold(sent=9000, now=1.5)  # estimated: 1500
+    assert clock.reported == 1000  # (the bound a report is checked against: the client's own)
+    clock.report(1400, now=1.6)
+    assert clock.played(sent=9000, now=3.0) == 1400 and clock.reported == 1400
+    clock.release(now=3.0)
+    assert clock.played(sent=9000, now=3.5) == 1900
