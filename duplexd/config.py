@@ -366,14 +366,14 @@ class TurnConfig:
     to `min_silence_ms`, and the turn waits the longer of the two. (Smart Turn on bench voice's questions:
     12 of 16 real turn ends score 0.96 or more; a 0.8-1.0 s mid-sentence pause in clip06 scored 0.53 and,
     with the text's 800 ms, ended the turn: docs/benchmarks.md, "Turn-taking".)"""
-    echo_cancellation: str = "off"
+    echo_cancellation: str = "gate"
     """The reply's echo in the microphone (WebRTC AEC3 against the reply audio sent, placed by the client's
     playback; sessions with reply audio, and only once the microphone is heard to follow the loudspeaker).
-    `gate`: chunks AEC3 finds to be echo and nothing else are silence to VAD; the recognizer hears the
-    audio as it came (a canceller still converging leaves garbled echo that the text check, which knows
-    the reply's words, no longer recognizes). `cancel`: VAD and the recognizer hear the cancelled audio.
-    `off` (the default until `bench voice` shows a mode that helps: docs/benchmarks.md, "Turn-taking").
-    About 2 % of a core per session."""
+    `gate` (the default): chunks AEC3 finds to be echo and nothing else are silence to VAD, and words whose
+    audio it took `echo_word_db` out of never interrupt; the recognizer hears the audio as it came (a
+    canceller still converging leaves garbled echo that the text check, which knows the reply's words, no
+    longer recognizes). `cancel`: VAD and the recognizer hear the cancelled audio. `off`: neither (the text
+    check only). About 2 % of a core per session (docs/benchmarks.md, "Turn-taking")."""
     echo_word_db: float = 10.0
     """A word heard during a reply whose audio the echo canceller took this many dB or more out of is the
     reply's echo, not the user (0: off). Needs `echo_cancellation` on, and only once the microphone is heard

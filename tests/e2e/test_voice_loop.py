@@ -146,3 +146,7 @@ async def test_the_replys_own_echo_does_not_interrupt(make_server, clip_by_name)
     result = await converse_pcm(srv.url, question, sc.RATE, max_s=90, echo_gain=0.5)
     assert "reply.interrupted" not in kinds(result)
     assert first(result, "reply.done")["reply"] == 1
+    # The default config cancels the echo: the canceller ran over this session's microphone, heard the
+    # loudspeaker in it, and took the chunks that were the reply and nothing else from VAD.
+    vad = srv.server.vad
+    assert vad.echo_audio_s > 0 and vad.echo_gated > 0
