@@ -445,7 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", default="1,2,4", help="concurrency levels for the long streams (default 1,2,4)")
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
     p.add_argument(
-        "--baseline", action="store_true", help="voice: every scenario again with the turn-taking features off"
+        "--baseline",
+        action="store_true",
+        help="voice: every scenario again with the turn-taking features off; relay: also with the remote "
+        "request waiting for the prefix (relay.remote_at_once = false)",
     )
     p.add_argument("--scenarios", default=None, help="voice: only these, e.g. echo,backchannel (default: all of them)")
     p.add_argument(

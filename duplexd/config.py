@@ -472,6 +472,11 @@ class RelayConfig:
     min_margin: float = 0.25
     context_turns: int = 4
     """Earlier turns (of the remote conversation's transcript) the local model reads before each turn."""
+    remote_at_once: bool = True
+    """At the end of the turn, ask the remote model for its own reply at once, while the local model
+    decides its prefix: a reply that gets no prefix comes as soon as the remote model alone would bring it
+    (it waited for the decision, 0.1-0.5 s here). The price: a reply that gets one asks twice (the first
+    request, without the prefix, is cancelled; a server that caches prompts prefills it once)."""
 
     def __post_init__(self) -> None:
         _require(self.prefix_words >= 1, "relay.prefix_words", self.prefix_words, ">= 1")

@@ -14,6 +14,8 @@ Relay's own keys: `prefix_accept_rate` (replies that began with the local model'
 (over those), `seam_exact` (replies whose text is exactly their `reply.relayed` prefix followed by the rest of
 their `reply.delta`s, and the same as `reply.done`'s) and `same_as_remote` (of the clips whose turn text both
 heard the same, replies identical to the remote mode's: the remote model here is the same SmolLM2, greedy).
+`--baseline` adds a fourth server, `relay_wait` (`[relay] remote_at_once = false`: the remote request waits
+for the local model's decision), to measure what asking the remote model at once brings.
 What this machine cannot say: whether a bigger remote model's answers are better (it is the same model).
 `--remote-url URL` (`--remote-model NAME`, the key in `DUPLEXD_DIALOG__REMOTE_API_KEY`) puts any
 OpenAI-compatible server behind the proxy instead: every reply of every mode is in the JSON (`runs`), so
@@ -48,6 +50,7 @@ from duplexd.clients.stats import percentile
 QUESTION_MAX_S = 8.0
 DELAYS_MS = (0, 300, 600)
 MODES = ("local", "remote", "relay")
+BASELINE = "relay_wait"  # (`--baseline`: relay whose remote request waits for the prefix's decision)
 
 
 class DelayingProxy:
@@ -182,7 +185,9 @@ async def _conversations(
 def summarize(runs: list[Run]) -> dict[str, Any]:
     """Per mode and delay: the latencies; for relay, its prefix and seam keys (see the module docstring)."""
     out: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in (*MODES, BASELINE):
+        if mode == BASELINE and not any(r.mode == mode for r in runs):
+            continue
         out[mode] = {}
         for delay in sorted({r.delay_ms for r in runs}):
             rs = [r for r in runs if r.mode == mode and r.delay_ms == delay]
@@ -193,7 +198,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
                 values = [v for r in rs if (v := getattr(r, f"{name}_s")) is not None]
                 entry[f"{name}_p50_s"] = percentile(values, 50)
                 entry[f"{name}_p90_s"] = percentile(values, 90)
-            if mode == "relay":
+            if mode.startswith("relay"):
                 prefixed = [r for r in rs if r.prefix]
                 entry["prefix_accept_rate"] = round(len(prefixed) / len(rs), 3)
                 entry["prefix_words_mean"] = (
@@ -242,8 +247,10 @@ def run(
     delays: tuple[int, ...] = DELAYS_MS,
     remote_url: str | None = None,
     remote_model: str = "",
+    baseline: bool = False,
 ) -> dict[str, Any]:
-    """`remote_url`: the remote model's server (default: a `duplexd serve-llm` started here)."""
+    """`remote_url`: the remote model's server (default: a `duplexd serve-llm` started here); `baseline`:
+    also the relay whose remote request waits for the prefix (`BASELINE`)."""
     clips = questions(load_clips(data), quick)
     remote_name = remote_url or "duplexd serve-llm (SmolLM2, this machine)"
     with contextlib.ExitStack() as stack:
@@ -255,7 +262,11 @@ def run(
         if remote_model:
             remote["dialog.remote_model"] = remote_model
         settings = {"local": {}, "remote": remote, "relay": {**remote, "dialog.mode": "relay"}}
-        ports = {mode: stack.enter_context(server_process(config, settings=settings[mode])) for mode in MODES}
+        if baseline:
+            settings[BASELINE] = {**settings["relay"], "relay.remote_at_once": "false"}
+        ports = {
+            mode: stack.enter_context(server_process(config, settings=setting)) for mode, setting in settings.items()
+        }
         runs = asyncio.run(_conversations(ports, proxy, clips, delays))
         relay_health = health(ports["relay"]).get("relay")
     summary = summarize(runs)
@@ -282,12 +293,12 @@ def table(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for delay in map(str, result["delays_ms"]):
-        for mode in MODES:
+        for mode in (*MODES, BASELINE):
             e = result.get(mode, {}).get(delay)
             if e is None:
                 continue
             extra = ""
-            if mode == "relay":
+            if mode.startswith("relay"):
                 extra = (
                     f"accepted {e['prefix_accept_rate']}, {e['prefix_words_mean']} words, seam exact "
                     f"{e['seam_exact']}, same as remote {e['same_as_remote']} ({e['same_as_remote_compared']})"
@@ -302,6 +313,14 @@ def table(result: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     delays = tuple(int(d) for d in args.delays.split(",")) if args.delays else DELAYS_MS
-    result = run(args.data, args.config, args.quick, delays, remote_url=args.remote_url, remote_model=args.remote_model)
+    result = run(
+        args.data,
+        args.config,
+        args.quick,
+        delays,
+        remote_url=args.remote_url,
+        remote_model=args.remote_model,
+        baseline=args.baseline,
+    )
     write_result(args.out, result, table(result))
     return 0

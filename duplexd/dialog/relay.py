@@ -8,7 +8,10 @@ remote request goes out with those words as the final assistant message to conti
 (`RemoteDialogEngine.start_reply(prefix)`): the reply's first pieces are the prefix, the rest is the remote
 model's, and the transcript holds exactly prefix + continuation. Nothing accepted: the request goes out
 without a prefix (the remote model's reply alone). A server that refuses to continue a message is asked
-again without it, from then on (`RemoteDialogEngine.continues`).
+again without it, from then on (`RemoteDialogEngine.continues`). At the end of the turn
+(`[relay] remote_at_once`) the remote model is asked for its own reply at once, while the prefix is
+decided; an accepted prefix asks again with it (`RemoteDialogEngine.restart_reply`), none keeps that
+request, so a reply without one is not later than the remote model's alone.
 
     open / close / fork / adopt   -> both engines
     append_user_text              -> both (the local session first re-reads the remote transcript, see below)
@@ -94,6 +97,7 @@ class RelayDialogEngine(RemoteFront):
         self._priority: dict[int, Priority] = {}
         self._stale: set[int] = set()  # sessions whose local side has not re-read the transcript since a reply
         self._prefixing: dict[int, Priority] = {}  # sessions whose reply waits for the local model's first words
+        self._racing: set[int] = set()  # ... and whose remote request went out meanwhile, without them
         self._began: dict[int, float] = {}  # when the local model began a reply (monotonic s)
         self._decided: dict[int, tuple[str, float]] = {}  # prefix and ms to decide it, until `take_relayed`
         self.local_busy_s = 0.0
@@ -157,6 +161,7 @@ class RelayDialogEngine(RemoteFront):
             self.local.close(drafted)
         if self._prefixing.pop(draft, None) is not None:
             self._prefixing[sid] = Priority.NORMAL
+            self._race(sid)
         for timing in (self._began, self._decided):
             if draft in timing:
                 timing[sid] = timing.pop(draft)  # type: ignore[assignment]
@@ -207,13 +212,17 @@ class RelayDialogEngine(RemoteFront):
             self._prefixing[sid] = self._priority.get(sid, Priority.NORMAL)
             self._began[sid] = time.monotonic()
             self._decided.pop(sid, None)
+            if self._prefixing[sid] is not Priority.DRAFT:  # (a draft at a pause has time to decide first)
+                self._race(sid)
         self._stale.add(sid)
 
     def interrupt(self, sid: int, heard_tokens: int) -> None:
         if self._prefixing.pop(sid, None) is not None:  # nothing was said yet: the turn closes, empty
             self.local.interrupt(self._local[sid], 0)
-            self.remote.start_reply(sid)
-            self.remote.interrupt(sid, 0)
+            if sid not in self._racing:
+                self.remote.start_reply(sid)
+            self._racing.discard(sid)
+            self.remote.interrupt(sid, 0)  # (also a racing reply that has already ended)
             return
         self.remote.interrupt(sid, heard_tokens)
 
@@ -235,7 +244,7 @@ class RelayDialogEngine(RemoteFront):
             self.local_busy_s += time.perf_counter() - t0
         for sid in list(self._prefixing):
             self._relay(sid)
-        return self.remote.step() if self.remote.busy() else {}
+        return self.remote.step(wait=not self.local.busy()) if self.remote.busy() else {}
 
     def take_relayed(self, sid: int) -> tuple[str, str, str, float] | None:
         """Once per reply, when its prefix is decided: the prefix, the local and remote models, and the
@@ -266,12 +275,24 @@ class RelayDialogEngine(RemoteFront):
             return
         self.local.interrupt(lsid, len(tokens))  # (stops it; the next turn re-reads the transcript anyway)
         del self._prefixing[sid]
+        if sid in self._racing:  # (the remote model's own reply is on its way: ask again only with a prefix)
+            self._racing.discard(sid)
+            if prefix and not self.remote.restart_reply(sid, prefix):
+                prefix = ""
+        else:
+            self.remote.start_reply(sid, prefix)
         self._decided[sid] = (prefix, 1000 * (time.monotonic() - self._began.pop(sid, time.monotonic())))
-        self.remote.start_reply(sid, prefix)
         self.relay_stats["replies"] += 1
         if prefix:
             self.relay_stats["with_prefix"] += 1
             self.relay_stats["prefix_words"] += len(prefix.split())
+
+    def _race(self, sid: int) -> None:
+        """Ask the remote model for its own reply now, while the local one decides the prefix
+        (`[relay] remote_at_once`)."""
+        if self.relay.remote_at_once and not self.remote.replying(sid):
+            self.remote.start_reply(sid)
+            self._racing.add(sid)
 
     def _reread(self, sid: int) -> bool:
         """Rewrite a stale local session from the remote transcript (once neither side replies); whether it
@@ -287,6 +308,7 @@ class RelayDialogEngine(RemoteFront):
 
     def _forget(self, sid: int) -> None:
         self._prefixing.pop(sid, None)
+        self._racing.discard(sid)
         self._began.pop(sid, None)
         self._decided.pop(sid, None)
         self._priority.pop(sid, None)

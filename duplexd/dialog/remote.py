@@ -460,6 +460,26 @@ class RemoteDialogEngine:
         c.reply = [self.tokenizer.add(word) for word in _words(c.prefix)]
         c.stream = self._request(c)
 
+    def restart_reply(self, sid: int, prefix: str) -> bool:
+        """Ask for the reply to the same turn again, continuing `prefix` (as `start_reply` does): the request
+        in flight is cancelled, or the reply it brought is taken back. For the relay, whose remote request
+        went out before its prefix was known, and none of whose pieces were handed out. False (nothing
+        done) once the user has spoken after a reply that ended: that reply is the one to keep."""
+        c = self._get(sid)
+        if c.replying:
+            self._cancel(c)
+            self.stats["cancelled"] += 1
+        elif c.user_open or not c.history or c.history[-1][0] != "assistant":
+            return False
+        else:
+            c.history.pop()
+        self.tokenizer.forget(c.reply)
+        c.replying, c.reply_done = True, False
+        c.prefix = prefix if self.continues is not False else ""
+        c.reply = [self.tokenizer.add(word) for word in _words(c.prefix)]
+        c.stream = self._request(c)
+        return True
+
     def rewrite(
         self, sid: int, system_prompt: str | None, turns: Sequence[tuple[str, str]], open_user: str = ""
     ) -> None:
@@ -510,14 +530,15 @@ class RemoteDialogEngine:
 
     # --- the step -------------------------------------------------------------------------------------
 
-    def step(self) -> dict[int, list[int]]:
-        """The pieces that arrived since the last step (waiting up to `step_wait_s` for some)."""
+    def step(self, *, wait: bool = True) -> dict[int, list[int]]:
+        """The pieces that arrived since the last step (waiting up to `step_wait_s` for some, if `wait`: the
+        relay's local model, with work of its own, does not)."""
         live = [c for c in self._sessions.values() if _has_work(c)]
         if not live:
             return {}
         out: dict[int, list[int]] = {}
         with self._cond:
-            if not any(c.stream is None or c.stream.pieces or c.stream.done for c in live):
+            if wait and not any(c.stream is None or c.stream.pieces or c.stream.done for c in live):
                 self._cond.wait(self.config.step_wait_s)
             t0 = time.perf_counter()
             for c in live:

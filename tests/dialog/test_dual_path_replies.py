@@ -179,3 +179,71 @@ async def test_a_draft_made_at_the_pause_brings_its_prefix_to_the_end_of_the_tur
     whole = engine.tokenizer.decode(engine.reply_tokens(sid))
     assert whole.startswith(engine.tokenizer.decode(ready)) and engine.history(sid)[-1]["content"] == whole
     engine.close(sid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", [ANY, NONE], ids=["prefix", "no-prefix"])
+async def test_the_remote_model_is_asked_at_the_end_of_the_turn_while_the_prefix_is_decided(
+    llm_url: str, speaker: DialogEngine, rule: RelayConfig
+) -> None:
+    """`[relay] remote_at_once`: the remote request goes out with the turn's end, not after the local model
+    decided (a reply with no prefix waited 0.1-0.5 s for that decision in bench relay); an accepted prefix
+    asks again, continuing it, and the reply is still exactly prefix + continuation."""
+    expected, _ = await converse(remote_engine(llm_url), heard_words)
+    engine = relay(llm_url, speaker, rule)
+    sid = engine.open()
+    engine.append_user_text(sid, TURNS[0])
+    engine.start_reply(sid)
+    assert engine.remote.replying(sid) and engine.remote.stats["requests"] == 1  # (at once)
+    assert engine.reply_tokens(sid) == []  # (its pieces wait for the decision)
+    while engine.replying(sid):
+        engine.step()
+    reply = engine.tokenizer.decode(engine.reply_tokens(sid))
+    assert reply == expected[0] and engine.history(sid)[-1] == {"role": "assistant", "content": reply}
+    (prefix, *_), stats = engine.take_relayed(sid), engine.remote.stats
+    if rule is ANY:
+        assert prefix and reply.startswith(prefix)
+        assert stats["requests"] == 2  # (the one without it was cancelled, or its reply taken back)
+    else:
+        assert prefix == "" and stats["requests"] == 1 and stats["cancelled"] == 0
+    engine.close(sid)
+
+
+@pytest.mark.slow
+async def test_without_remote_at_once_the_request_waits_for_the_prefix(llm_url: str, speaker: DialogEngine) -> None:
+    engine = relay(llm_url, speaker, dataclasses.replace(ANY, remote_at_once=False))
+    sid = engine.open()
+    engine.append_user_text(sid, TURNS[0])
+    engine.start_reply(sid)
+    assert not engine.remote.replying(sid) and engine.remote.stats["requests"] == 0
+    while engine.replying(sid):
+        engine.step()
+    assert engine.remote.stats["requests"] == 1 and engine.take_relayed(sid)[0]
+    engine.close(sid)
+
+
+@pytest.mark.slow
+def test_a_reply_that_ended_is_asked_again_with_a_prefix(llm_url: str) -> None:
+    """The remote model's own reply came whole before the local model decided: `restart_reply` takes it
+    back and asks for the reply continuing the prefix; after the user spoke again it keeps it."""
+    remote = remote_engine(llm_url)
+    sid = remote.open()
+    remote.append_user_text(sid, TURNS[0])
+    remote.start_reply(sid)
+    while remote.replying(sid):
+        remote.step()
+    alone = remote.tokenizer.decode(remote.reply_tokens(sid))
+    assert alone and len(remote.history(sid)) == 3  # (system, user, assistant)
+    words = alone.split()
+    assert remote.restart_reply(sid, " ".join(words[:2]))
+    while remote.replying(sid):
+        remote.step()
+    again = remote.tokenizer.decode(remote.reply_tokens(sid))
+    assert again == alone and remote.history(sid)[1:] == [  # (greedy: the same words, given or not)
+        {"role": "user", "content": TURNS[0]},
+        {"role": "assistant", "content": again},
+    ]
+    remote.append_user_text(sid, TURNS[1])
+    assert not remote.restart_reply(sid, "No.")
+    assert [m["content"] for m in remote.history(sid)[-2:]] == [again, TURNS[1]]
+    remote.close(sid)
