@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline",
         action="store_true",
         help="voice: every scenario again with the turn-taking features off; relay: also with the remote "
-        "request waiting for the prefix (relay.remote_at_once = false)",
+        "model asked beside the prefix's decision (relay.remote_at_once = true)",
     )
     p.add_argument("--scenarios", default=None, help="voice: only these, e.g. echo,backchannel (default: all of them)")
     p.add_argument(

@@ -472,11 +472,15 @@ class RelayConfig:
     min_margin: float = 0.25
     context_turns: int = 4
     """Earlier turns (of the remote conversation's transcript) the local model reads before each turn."""
-    remote_at_once: bool = True
+    remote_at_once: bool = False
     """At the end of the turn, ask the remote model for its own reply at once, while the local model
-    decides its prefix: a reply that gets no prefix comes as soon as the remote model alone would bring it
-    (it waited for the decision, 0.1-0.5 s here). The price: a reply that gets one asks twice (the first
-    request, without the prefix, is cancelled; a server that caches prompts prefills it once)."""
+    decides its prefix, so that a reply that gets no prefix need not wait for that decision (0.1-0.5 s
+    here). The price: a reply that gets one asks twice (the first request, without the prefix, is
+    cancelled; a server that caches prompts prefills it once). Off by default: measured here (`bench relay
+    --baseline`, the remote model on the same two cores) it brought nothing (end of speech -> first audio
+    p50 1.24 vs 1.24 s at 0 ms, 1.23 vs 1.24 s at 600 ms) and made prefixes decided at the turn's end
+    later (turn ended -> first audio p50 0.26 vs 0.15 s at 0 ms). A remote model on its own machine, which
+    can start at once, is where it may help: measure it there (docs/benchmarks.md, "Relay")."""
 
     def __post_init__(self) -> None:
         _require(self.prefix_words >= 1, "relay.prefix_words", self.prefix_words, ">= 1")

@@ -99,10 +99,10 @@ def test_the_summary_counts_prefixes_seams_and_sameness() -> None:
     assert t["relay_below_remote_at_longest_delay"] == round(1 - 1.075 / 2.1, 3)
     printed = table({"delays_ms": [600], **summary, "targets": t, "remote_server": "x"})
     assert "| 600 ms | relay | 1.08 / 1.10 |" in printed and "seam exact 0.5" in printed, printed
+    # --baseline's relay_at_once is summarized as relay is, and only when it ran
+    assert "relay_at_once" not in summary
+    asked = summarize(runs + [_run("relay_at_once", "a", "The capital of France is Paris.", prefix="The", audio=1.5)])
+    assert asked["relay_at_once"]["600"]["prefix_accept_rate"] == 1.0 and asked["relay_at_once"]["600"]["n"] == 1
     # a reply with no prefix (the local model sure of nothing) is still a seam-exact reply of the remote model's
-    # --baseline's relay_wait is summarized as relay is, and only when it ran
-    assert "relay_wait" not in summary
-    waited = summarize(runs + [_run("relay_wait", "a", "The capital of France is Paris.", prefix="The", audio=1.5)])
-    assert waited["relay_wait"]["600"]["prefix_accept_rate"] == 1.0 and waited["relay_wait"]["600"]["n"] == 1
     alone = summarize([_run("relay", "a", "Paris.", prefix="")])["relay"]["600"]
     assert alone["prefix_accept_rate"] == 0.0 and alone["prefix_words_mean"] is None and alone["seam_exact"] == 1.0

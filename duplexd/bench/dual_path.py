@@ -14,8 +14,8 @@ Relay's own keys: `prefix_accept_rate` (replies that began with the local model'
 (over those), `seam_exact` (replies whose text is exactly their `reply.relayed` prefix followed by the rest of
 their `reply.delta`s, and the same as `reply.done`'s) and `same_as_remote` (of the clips whose turn text both
 heard the same, replies identical to the remote mode's: the remote model here is the same SmolLM2, greedy).
-`--baseline` adds a fourth server, `relay_wait` (`[relay] remote_at_once = false`: the remote request waits
-for the local model's decision), to measure what asking the remote model at once brings.
+`--baseline` adds a fourth server, `relay_at_once` (`[relay] remote_at_once = true`: the remote model is
+asked at the end of the turn, beside the local model's decision), to measure what that brings.
 What this machine cannot say: whether a bigger remote model's answers are better (it is the same model).
 `--remote-url URL` (`--remote-model NAME`, the key in `DUPLEXD_DIALOG__REMOTE_API_KEY`) puts any
 OpenAI-compatible server behind the proxy instead: every reply of every mode is in the JSON (`runs`), so
@@ -50,7 +50,7 @@ from duplexd.clients.stats import percentile
 QUESTION_MAX_S = 8.0
 DELAYS_MS = (0, 300, 600)
 MODES = ("local", "remote", "relay")
-BASELINE = "relay_wait"  # (`--baseline`: relay whose remote request waits for the prefix's decision)
+BASELINE = "relay_at_once"  # (`--baseline`: relay that asks the remote model beside the prefix's decision)
 
 
 class DelayingProxy:
@@ -250,7 +250,7 @@ def run(
     baseline: bool = False,
 ) -> dict[str, Any]:
     """`remote_url`: the remote model's server (default: a `duplexd serve-llm` started here); `baseline`:
-    also the relay whose remote request waits for the prefix (`BASELINE`)."""
+    also the relay that asks the remote model beside the prefix's decision (`BASELINE`)."""
     clips = questions(load_clips(data), quick)
     remote_name = remote_url or "duplexd serve-llm (SmolLM2, this machine)"
     with contextlib.ExitStack() as stack:
@@ -263,7 +263,7 @@ def run(
             remote["dialog.remote_model"] = remote_model
         settings = {"local": {}, "remote": remote, "relay": {**remote, "dialog.mode": "relay"}}
         if baseline:
-            settings[BASELINE] = {**settings["relay"], "relay.remote_at_once": "false"}
+            settings[BASELINE] = {**settings["relay"], "relay.remote_at_once": "true"}
         ports = {
             mode: stack.enter_context(server_process(config, settings=setting)) for mode, setting in settings.items()
         }

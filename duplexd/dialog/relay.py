@@ -8,10 +8,10 @@ remote request goes out with those words as the final assistant message to conti
 (`RemoteDialogEngine.start_reply(prefix)`): the reply's first pieces are the prefix, the rest is the remote
 model's, and the transcript holds exactly prefix + continuation. Nothing accepted: the request goes out
 without a prefix (the remote model's reply alone). A server that refuses to continue a message is asked
-again without it, from then on (`RemoteDialogEngine.continues`). At the end of the turn
-(`[relay] remote_at_once`) the remote model is asked for its own reply at once, while the prefix is
-decided; an accepted prefix asks again with it (`RemoteDialogEngine.restart_reply`), none keeps that
-request, so a reply without one is not later than the remote model's alone.
+again without it, from then on (`RemoteDialogEngine.continues`). With `[relay]
+remote_at_once` (off by default: measured, it brought nothing with the remote model on the same cores)
+the remote model is asked for its own reply at the end of the turn, while the prefix is decided; an
+accepted prefix asks again with it (`RemoteDialogEngine.restart_reply`), none keeps that request.
 
     open / close / fork / adopt   -> both engines
     append_user_text              -> both (the local session first re-reads the remote transcript, see below)

@@ -190,7 +190,7 @@ async def test_the_remote_model_is_asked_at_the_end_of_the_turn_while_the_prefix
     decided (a reply with no prefix waited 0.1-0.5 s for that decision in bench relay); an accepted prefix
     asks again, continuing it, and the reply is still exactly prefix + continuation."""
     expected, _ = await converse(remote_engine(llm_url), heard_words)
-    engine = relay(llm_url, speaker, rule)
+    engine = relay(llm_url, speaker, dataclasses.replace(rule, remote_at_once=True))
     sid = engine.open()
     engine.append_user_text(sid, TURNS[0])
     engine.start_reply(sid)
@@ -210,8 +210,8 @@ async def test_the_remote_model_is_asked_at_the_end_of_the_turn_while_the_prefix
 
 
 @pytest.mark.slow
-async def test_without_remote_at_once_the_request_waits_for_the_prefix(llm_url: str, speaker: DialogEngine) -> None:
-    engine = relay(llm_url, speaker, dataclasses.replace(ANY, remote_at_once=False))
+async def test_by_default_the_request_waits_for_the_prefix(llm_url: str, speaker: DialogEngine) -> None:
+    engine = relay(llm_url, speaker, ANY)
     sid = engine.open()
     engine.append_user_text(sid, TURNS[0])
     engine.start_reply(sid)
