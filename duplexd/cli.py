@@ -452,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--scenarios", default=None, help="voice: only these, e.g. echo,backchannel (default: all of them)")
     p.add_argument(
+        "--transport",
+        default=None,
+        help="voice: websocket (default), or websocket,webrtc: the question clips also as WebRTC calls",
+    )
+    p.add_argument(
         "--replay",
         default=None,
         metavar="MODELS",

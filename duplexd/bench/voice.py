@@ -25,6 +25,13 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
 Replies paused by sound over them (backchannel, noise, echo) that then played on count towards
 `resumed_after_false_interruption_rate`.
 
+`--transport websocket,webrtc` asks the question clips again on the same server as WebRTC calls
+(`clients.rtc`: OpenAI's call flow, Opus both ways, the events on `oai-events`), each after its WebSocket
+run: `webrtc` holds their latencies beside the same clips' over the WebSocket. First reply audio heard
+(`eos_to_first_loud`) is the first loud 20 ms the client plays: over WebRTC the first loud frame the call's
+track delivers (after Opus, the network and aiortc's 80 ms jitter buffer), over the WebSocket the first loud
+window of the reply as the client plays it on arrival (after `JITTER_S` buffered).
+
 The server runs with the turn-taking features on (`FEATURES_ON`: `turn.echo_cancellation = "gate"`, the
 reply paused on speech, the acoustic end-of-turn model);
 `--baseline` runs every scenario again with them off (`BASELINE_OFF`), under `off`, in the same run.
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import platform
@@ -51,7 +59,7 @@ from duplexd.bench import room, write_result
 from duplexd.bench import scenarios as sc
 from duplexd.bench.server import health, serve_llm_process, server_process
 from duplexd.clients.clips import Clip, load_clips
-from duplexd.clients.converse import ConversationResult, converse_pcm
+from duplexd.clients.converse import JITTER_S, ConversationResult, converse_pcm
 from duplexd.clients.stats import percentile
 
 QUESTION_MAX_S = 8.0  # single-speaker clips up to this long are the questions
@@ -75,6 +83,7 @@ REMOTE_SIDES = {
 REMOTE_NICENESS = 19
 COLOCATED_SIDES = {"remote_colocated": {"dialog.turn_model": ""}}
 FALSE_INTERRUPTIONS = ("backchannel", "noise", "echo")  # sound over the reply that must not stop it
+LOUD_RMS, LOUD_WINDOW = 300.0, 480  # reply audio heard: a 20 ms window (24 kHz) louder than this (int16 RMS)
 
 
 @dataclass(slots=True)
@@ -99,6 +108,28 @@ class Run:
     heard_over_reply: str = ""  # what the recognizer made of speech during the reply (last hypotheses)
     room: str = ""  # echo: the path from the loudspeaker to the microphone
     pause_s: float | None = None  # pause: how long the mid-sentence pause was
+    eos_to_first_loud_s: float | None = None  # the first loud 20 ms of the reply, as the client plays it
+
+
+def _first_loud(result: ConversationResult) -> float | None:
+    """When the client, playing the first reply's audio as it arrives (once `JITTER_S` is buffered, then in
+    real time: it arrives ahead of playback), plays its first loud 20 ms (RMS over `LOUD_RMS`)."""
+    if not result.audio:
+        return None
+    reply = result.audio[0].reply
+    parts = [a for a in result.audio if a.reply == reply]
+    pcm = np.concatenate([a.samples for a in parts]).astype(np.float32)
+    n = len(pcm) // LOUD_WINDOW
+    loud = np.nonzero(np.sqrt(np.mean(pcm[: n * LOUD_WINDOW].reshape(n, LOUD_WINDOW) ** 2, axis=1)) > LOUD_RMS)[0]
+    if not len(loud):
+        return None
+    received, start = 0, parts[-1].t
+    for a in parts:
+        received += len(a.samples)
+        if received >= JITTER_S * 24_000:
+            start = a.t
+            break
+    return start + loud[0] * LOUD_WINDOW / 24_000
 
 
 def _first_at(result: ConversationResult, kind: str) -> float | None:
@@ -136,6 +167,7 @@ def _measure(scenario: str, clip: Clip, result: ConversationResult, eos_s: float
         p_audio=ended[0].event.get("p_audio") if (ended := result.of_type("turn.ended")) else None,
         paused=len(result.of_type("reply.paused")),
         resumed=len(result.of_type("reply.resumed")),
+        eos_to_first_loud_s=None if (loud := _first_loud(result)) is None else round(loud - eos_wall, 3),
     )
 
 
@@ -149,7 +181,52 @@ def _overlapped(questions: list[Clip]) -> list[Clip]:
     return questions[: max(1, len(questions) // 3)]
 
 
-async def _conversations(url: str, clips: list[Clip], quick: bool, scenarios: tuple[str, ...]) -> list[Run]:
+async def _webrtc_question(base_url: str, clip: Clip) -> Run:
+    """One question clip as a WebRTC call: latencies from the end of its speech as the call's microphone
+    sent it, to `response.created` (the turn's end), the first transcript delta, and the first loud frame
+    the call's audio track played."""
+    from duplexd.clients.rtc import RtcClient, post_offer  # (aiortc: only for this scenario)
+
+    audio = np.concatenate([sc.silence(0.5), sc.load(clip.path)])
+    eos_s = sc.speech_end_s(audio)
+    client = RtcClient()
+    try:
+        answer, _ = await asyncio.to_thread(post_offer, base_url, await client.offer())
+        await client.connect(answer)
+        client.mic.say(audio, sc.RATE)
+        with contextlib.suppress(TimeoutError):
+            await client.wait_for(lambda e: any(x["type"] == "output_audio_buffer.stopped" for x in e), 60)
+    finally:
+        await client.close()
+    said = client.mic.said_at
+    eos_wall = (said if said is not None else float("nan")) + eos_s
+
+    def after(t: float | None) -> float | None:
+        return None if t is None or said is None else round(t - eos_wall, 3)
+
+    loud = [t for t in client.speaker.voiced(LOUD_RMS) if t > eos_wall]
+    done = client.of("response.done")
+    transcript = done[0]["response"]["output"][0]["content"][0].get("transcript", "") if done else ""
+    created = [t for e, t in zip(client.events, client.event_times, strict=True) if e["type"] == "response.created"]
+    return Run(
+        scenario="question_webrtc",
+        clip=clip.path.name,
+        eos_s=round(eos_s, 3),
+        turns=len(created),
+        premature=any(t < eos_wall for t in created),
+        interrupted=bool(done) and done[0]["response"]["status"] == "cancelled",
+        eos_to_turn_end_s=after(created[0] if created else None),
+        eos_to_first_token_s=after(client.time_of("response.output_audio_transcript.delta")),
+        eos_to_first_audio_s=after(loud[0] if loud else None),
+        eos_to_first_loud_s=after(loud[0] if loud else None),
+        reply_text=transcript,
+        reply_audio_s=round(0.02 * len(client.speaker.voiced()), 3),
+    )
+
+
+async def _conversations(
+    url: str, clips: list[Clip], quick: bool, scenarios: tuple[str, ...], webrtc: bool = False
+) -> list[Run]:
     speech_dir = clips[0].path.parent
     questions = _questions(clips, quick)
     runs: list[Run] = []
@@ -160,6 +237,10 @@ async def _conversations(url: str, clips: list[Clip], quick: bool, scenarios: tu
             result = await converse_pcm(url, audio, sc.RATE, max_s=60)
             runs.append(_measure("question", clip, result, sc.speech_end_s(audio), None))
             print(f"  question {clip.path.name}: {asdict(runs[-1])}", flush=True)
+            if webrtc:
+                base = url.replace("ws://", "http://").removesuffix("/stream")
+                runs.append(await _webrtc_question(base, clip))
+                print(f"  question over WebRTC {clip.path.name}: {asdict(runs[-1])}", flush=True)
     if "pause" in scenarios:
         for pause_s in PAUSES_S[1:2] if quick else PAUSES_S:
             for clip in questions[: max(1, len(questions) // 2)]:
@@ -223,6 +304,20 @@ async def _conversations(url: str, clips: list[Clip], quick: bool, scenarios: tu
     return runs
 
 
+def _transport_keys(calls: list[Run], questions: list[Run]) -> dict[str, Any]:
+    """The question clips as WebRTC calls, beside the same clips over the WebSocket (`websocket`)."""
+    keys: dict[str, Any] = {}
+    for name, runs in (("webrtc", calls), ("websocket", questions)):
+        for key in ("eos_to_turn_end", "eos_to_first_token", "eos_to_first_audio", "eos_to_first_loud"):
+            stats = _stats([getattr(r, f"{key}_s") for r in runs])
+            keys[f"{name}_{key}_p50_s"], keys[f"{name}_{key}_p90_s"] = stats["p50"], stats["p90"]
+        keys[f"{name}_n"] = len(runs)
+    rtc, ws = keys["webrtc_eos_to_first_loud_p50_s"], keys["websocket_eos_to_first_loud_p50_s"]
+    keys["webrtc_over_websocket_first_heard_p50"] = round(rtc / ws, 3) if rtc and ws else None
+    keys["unanswered"] = sum(r.eos_to_first_audio_s is None for r in calls)
+    return keys
+
+
 def _stats(values: list[float | None]) -> dict[str, float | None]:
     v = [x for x in values if x is not None]
     return {"p50": percentile(v, 50), "p90": percentile(v, 90), "n": len(v)}
@@ -234,14 +329,21 @@ def _rate(runs: list[Run], scenario: str) -> float | None:
 
 
 def _side(
-    data: Path | None, config: Path | None, quick: bool, scenarios: tuple[str, ...], settings: dict[str, str]
+    data: Path | None,
+    config: Path | None,
+    quick: bool,
+    scenarios: tuple[str, ...],
+    settings: dict[str, str],
+    webrtc: bool = False,
 ) -> dict[str, Any]:
-    """One server (with `settings` on top of `config`), every scenario: the keys, the runs, its health."""
+    """One server (with `settings` on top of `config`), every scenario: the keys, the runs, its health.
+    `webrtc`: each question also as a WebRTC call."""
     clips = load_clips(data)
     with server_process(config, settings=settings) as port:
-        runs = asyncio.run(_conversations(f"ws://127.0.0.1:{port}/v1/stream", clips, quick, scenarios))
+        runs = asyncio.run(_conversations(f"ws://127.0.0.1:{port}/v1/stream", clips, quick, scenarios, webrtc))
         server = health(port)
     questions = [r for r in runs if r.scenario == "question"]
+    calls = [r for r in runs if r.scenario == "question_webrtc"]
     turn_taking = [r for r in runs if r.scenario in ("question", "pause")]
     overlapped = [r for r in runs if r.scenario in ("backchannel", "echo")]
     false_paused = [r for r in runs if r.scenario in FALSE_INTERRUPTIONS and r.paused]
@@ -287,6 +389,7 @@ def _side(
         "echo_talk_over_barge_in_rate": _rate(runs, "talk_over_echo"),  # (the user talks over their own echo)
         "echo_talk_over_barge_in_p50_s": barge_in_echo["p50"],
         "counts": {k: sum(r.scenario == k for r in runs) for k in SCENARIOS},
+        "webrtc": _transport_keys(calls, questions) if calls else None,
         "echo_cancellation": server.get("echo"),  # its cost on the server
         "turn_scorer": server.get("turn_scorer"),
         "turn_audio": server.get(
@@ -328,8 +431,9 @@ def run(
     baseline: bool = False,
     scenarios: tuple[str, ...] = SCENARIOS,
     remote: bool = False,
+    webrtc: bool = False,
 ) -> dict[str, Any]:
-    on = _side(data, config, quick, scenarios, FEATURES_ON)
+    on = _side(data, config, quick, scenarios, FEATURES_ON, webrtc=webrtc)
     off = _side(data, config, quick, scenarios, BASELINE_OFF) if baseline else None
     remote_sides: dict[str, Any] = {}
     if remote:  # the turn scenarios again, replies from a `duplexd serve-llm` (the same model, greedy)
@@ -388,6 +492,20 @@ def _side_table(result: dict[str, Any]) -> list[str]:
         f"talk-overs with the reply's echo (-6 dB) that interrupted: {pct(result['echo_talk_over_barge_in_rate'])} "
         f"of {c['talk_over_echo']}, p50 {s(result['echo_talk_over_barge_in_p50_s'])}",
     ]
+    if rtc := result.get("webrtc"):
+        lines += ["", "| question clips, client side | WebSocket p50 / p90 | WebRTC p50 / p90 |", "|---|---|---|"]
+        for key, name in (
+            ("eos_to_turn_end", "end of speech -> turn ended (WebRTC: response.created)"),
+            ("eos_to_first_token", "end of speech -> first reply text"),
+            ("eos_to_first_audio", "end of speech -> first reply audio (WebRTC: the first loud frame)"),
+            ("eos_to_first_loud", "end of speech -> first loud reply audio, as played"),
+        ):
+            ws = f"{s(rtc[f'websocket_{key}_p50_s'])} / {s(rtc[f'websocket_{key}_p90_s'])}"
+            lines.append(f"| {name} | {ws} | {s(rtc[f'webrtc_{key}_p50_s'])} / {s(rtc[f'webrtc_{key}_p90_s'])} |")
+        lines.append(
+            f"WebRTC over WebSocket, first reply audio heard p50: x{rtc['webrtc_over_websocket_first_heard_p50']} "
+            f"({rtc['webrtc_n']} calls, {rtc['unanswered']} without reply audio)"
+        )
     if turn_audio := result.get("turn_audio"):
         lines.append(
             f"acoustic end of turn: {turn_audio['model']}, {turn_audio['pauses']} pauses scored, "
@@ -437,6 +555,11 @@ def main(args: argparse.Namespace) -> int:
     unknown = [x for x in scenarios if x not in SCENARIOS]
     if unknown:
         raise SystemExit(f"bench voice: unknown scenario {unknown[0]!r} (choose from {', '.join(SCENARIOS)})")
+    transports = set((getattr(args, "transport", None) or "websocket").split(","))
+    if unknown := transports - {"websocket", "webrtc"}:
+        raise SystemExit(f"bench voice: unknown transport {sorted(unknown)[0]!r} (choose from websocket, webrtc)")
+    if "webrtc" in transports and "question" not in scenarios:
+        raise SystemExit("bench voice: --transport webrtc asks the question clips: include the question scenario")
     result = run(
         args.data,
         args.config,
@@ -444,6 +567,7 @@ def main(args: argparse.Namespace) -> int:
         baseline=getattr(args, "baseline", False),
         scenarios=scenarios,
         remote=getattr(args, "remote_llm", False),
+        webrtc="webrtc" in transports,
     )
     write_result(args.out, result, table(result))
     return 0

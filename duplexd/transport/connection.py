@@ -351,6 +351,14 @@ class Connection:
             self.dispatch(self.conversation.observe(events), now)
             self._tick_conversation(now)
 
+    def played(self, samples: int, now: float) -> None:
+        """The client has played `samples` of the reply audio stream (a native `playback` report; a WebRTC
+        call's own track as it plays)."""
+        self.clock.report(samples, now)
+        self.sent_audio.played(samples)
+        if self.conversation is not None:
+            self.dispatch(self.conversation.played(samples), now)
+
     # -- the conversation (`transport.voice`) ---------------------------------------------------------
 
     def _tick_conversation(self, now: float) -> None:

@@ -137,11 +137,7 @@ class NativeCodec:
                 f"playback.played_ms {played_ms:.1f} is outside [{previous_ms:.1f}, {sent_ms:.1f}] "
                 "(it must not go back or pass the audio sent)",
             )
-        samples = min(self.conn.playout.sent, round(played_ms * OUTPUT_SAMPLE_RATE / 1000))
-        self.conn.clock.report(samples, now)
-        self.conn.sent_audio.played(samples)
-        if self.conn.conversation is not None:
-            self.conn.dispatch(self.conn.conversation.played(samples), now)
+        self.conn.played(min(self.conn.playout.sent, round(played_ms * OUTPUT_SAMPLE_RATE / 1000)), now)
 
     def _open_datagram(self, msg: protocol.SessionStart) -> dict[str, Any]:
         if not msg.datagram or self.conn.conversation is None:

@@ -213,7 +213,7 @@ def _parse(kind: object, msg: dict[str, Any]) -> ClientEvent:
         case "output_audio_buffer.clear":
             return OutputAudioClear()
         case "session.update":
-            return _parse_session(msg.get("session"))
+            return parse_session(msg.get("session"))
         case "conversation.item.create":
             previous = msg.get("previous_item_id")
             if previous is not None and not isinstance(previous, str):
@@ -269,7 +269,7 @@ def _tool_choice(value: object, param: str, ignored: list[str]) -> str | None:
     return None
 
 
-def _parse_session(session: object) -> SessionUpdate:
+def parse_session(session: object) -> SessionUpdate:
     if not isinstance(session, dict):
         raise RealtimeError("invalid_value", "`session` must be an object.", param="session")
     if session.get("type", "realtime") != "realtime":

@@ -246,12 +246,14 @@ class RealtimeOut:
         kind = "response.output_text.delta" if r.text_only else "response.output_audio_transcript.delta"
         return [self.event(kind, **part_ids(r), delta=text)]
 
-    def audio(self, pcm: bytes) -> Events:
+    def audio(self, pcm: bytes, *, delta: bool = True) -> Events:
+        """Reply audio of the response in progress; `delta` False: counted, not sent as an event (a WebRTC
+        call plays it on its audio track)."""
         r = self.response
         if r is None or r.text_only:
             return []
         r.audio_ms += 1000 * len(pcm) / 2 / OUTPUT_SAMPLE_RATE
-        return [self.event("response.output_audio.delta", **part_ids(r), delta=encode_audio(pcm))]
+        return [self.event("response.output_audio.delta", **part_ids(r), delta=encode_audio(pcm))] if delta else []
 
     def response_done(self, reply: int, text: str, status: str, reason: str | None) -> Events:
         """The response of `reply` ended: `completed`, `incomplete` (`max_output_tokens`) or `cancelled`

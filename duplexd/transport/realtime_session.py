@@ -267,6 +267,20 @@ class RealtimeCodec:
             await self.conn.run_vad(session, chunks)
 
     async def _update(self, u: rt.SessionUpdate, event_id: str | None, now: float) -> None:
+        session = self.conn.session
+        assert session is not None
+        self._apply(u)
+        self.conn.send(
+            {
+                "type": "session.updated",
+                "event_id": self.ids.new("event"),
+                "session": session_object(session.id, self.settings, self._vad_defaults),
+            }
+        )
+        self.context.sync(now)
+
+    def _apply(self, u: rt.SessionUpdate) -> None:
+        """Take the settings `u` gives (a `session.update`, or a WebRTC call's `session` at its start)."""
         conv, server, session = self.conn.conversation, self.conn.server, self.conn.session
         assert conv is not None and server.dialog is not None and session is not None
         ignored = list(u.ignored)
@@ -292,14 +306,6 @@ class RealtimeCodec:
                 ", ".join(ignored),
                 extra={"event": "realtime.ignored", "session": session.id, "fields": ignored},
             )
-        self.conn.send(
-            {
-                "type": "session.updated",
-                "event_id": self.ids.new("event"),
-                "session": session_object(session.id, self.settings, self._vad_defaults),
-            }
-        )
-        self.context.sync(now)
 
     def _apply_turn_detection(self, conv: cv.Conversation, td: rt.TurnDetection | None) -> None:
         """server_vad: the client's threshold, pre-roll and silence (fixed: min = max); semantic_vad: the

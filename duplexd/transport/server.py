@@ -47,6 +47,7 @@ from duplexd.transport.protocol import Limits
 from duplexd.transport.realtime_session import RealtimeCodec
 from duplexd.transport.resume import same_token
 from duplexd.transport.shell import WebSocketShell
+from duplexd.transport.webrtc import Calls
 from duplexd.tts.engine import TtsEngine
 
 __all__ = ["REALTIME_PATH", "STREAM_PATH", "Engines", "Server"]
@@ -107,7 +108,8 @@ class Server:
         self.handles: dict[str, Connection] = {}  # every session's handle, attached or awaiting a resume
         self.datagram: DatagramEndpoint | None = None
         self.draining = False  # SIGTERM: no new sessions; replies in progress finish
-        self.per_ip: Counter[str] = Counter()  # open WebSocket connections by client address
+        self.per_ip: Counter[str] = Counter()  # open WebSocket connections and WebRTC calls by client address
+        self.calls = Calls(self)  # WebRTC calls (`/v1/realtime/calls`)
         self.counters = {
             "connections": 0,
             "sessions": 0,
@@ -117,6 +119,7 @@ class Server:
             "resumed": 0,
             "expired": 0,
             "slow_consumers": 0,
+            "calls": 0,
         }
         a = config.admission
         capacity = t.max_sessions if self.dialog is None else min(t.max_sessions, config.dialog.max_sessions)
@@ -192,6 +195,7 @@ class Server:
                     await stop.wait()
                     await self.drain()
                 finally:
+                    await self.calls.close()
                     await listener.close()
                 for task in workers:
                     task.cancel()
