@@ -37,6 +37,8 @@ def setup(*, verbose: bool = False, json_lines: bool = False) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     logging.getLogger("faster_whisper").setLevel(logging.WARNING)
     logging.getLogger("websockets.server").setLevel(logging.WARNING)
+    for name in ("aioice", "aiortc"):  # (WebRTC calls: every ICE check and state change at INFO)
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class Redact(logging.Filter):

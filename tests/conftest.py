@@ -17,11 +17,13 @@ def _restore_logging() -> object:
     handlers back, or later tests' server threads log into a closed file ("--- Logging error ---")."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    quieted = {name: logging.getLogger(name).level for name in ("faster_whisper", "websockets.server")}
+    quieted = {
+        name: logging.getLogger(name).level for name in ("faster_whisper", "websockets.server", "aioice", "aiortc")
+    }
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
-    for name, was in quieted.items():  # (`logs.setup` quiets these two)
+    for name, was in quieted.items():  # (`logs.setup` quiets these)
         logging.getLogger(name).setLevel(was)
 
 

@@ -129,7 +129,7 @@ def _first_loud(result: ConversationResult) -> float | None:
         if received >= JITTER_S * 24_000:
             start = a.t
             break
-    return start + loud[0] * LOUD_WINDOW / 24_000
+    return start + float(loud[0]) * LOUD_WINDOW / 24_000
 
 
 def _first_at(result: ConversationResult, kind: str) -> float | None:

@@ -44,12 +44,7 @@ def route(server: Server, connection: ServerConnection, request: Request) -> Res
             return json_error(http.HTTPStatus.FORBIDDEN, "forbidden_origin", "this origin may not connect")
         ip = peer_ip(connection, sec.proxies)
         if server.per_ip[ip] >= sec.max_connections_per_ip:
-            return json_error(
-                http.HTTPStatus.TOO_MANY_REQUESTS,
-                "too_many_connections",
-                "too many connections from this address",
-                retry_after_ms=server.config.admission.retry_after_ms,
-            )
+            return _too_many(server)
         return None  # go on with the WebSocket handshake
     if path == "/healthz":
         return _response(http.HTTPStatus.OK, "application/json", json.dumps(server.health()).encode())
@@ -105,13 +100,18 @@ def _post(server: Server, connection: ServerConnection, request: Request, path: 
         return json_error(http.HTTPStatus(exc.status), exc.code, exc.message)
     ip = peer_ip(connection, sec.proxies)
     if server.per_ip[ip] >= sec.max_connections_per_ip:
-        return json_error(
-            http.HTTPStatus.TOO_MANY_REQUESTS,
-            "too_many_connections",
-            "too many connections from this address",
-            retry_after_ms=server.config.admission.retry_after_ms,
-        )
+        return _too_many(server)
     return _place_call(server, body, request.headers.get("Content-Type", ""), ip, secret)
+
+
+def _too_many(server: Server) -> Response:
+    """An address with `max_connections_per_ip` WebSockets and calls open asks for one more."""
+    return json_error(
+        http.HTTPStatus.TOO_MANY_REQUESTS,
+        "too_many_connections",
+        "too many connections from this address",
+        retry_after_ms=server.config.admission.retry_after_ms,
+    )
 
 
 async def _place_call(server: Server, body: bytes, content_type: str, ip: str, secret: Any) -> Response:

@@ -292,7 +292,8 @@ class RtcCall:
         await conn.open(time.monotonic())
         if conn.close is not None:  # overloaded, or no dialog model: the codec said why
             conn.release()
-            raise CallError(503, conn.close.reason or "unavailable", "the server cannot take a call now")
+            reason = conn.close.reason or "unavailable"
+            raise CallError(503, reason, f"the server cannot take a call now ({reason})")
         pc = self.pc
         pc.on("datachannel", self._on_channel)
         pc.on("track", self._on_track)

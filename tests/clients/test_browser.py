@@ -233,3 +233,50 @@ async def test_a_backchannel_pauses_the_reply_in_the_page_and_it_plays_on(
     assert state["playedMs"] == pytest.approx(sum(r["audioMsReceived"] for r in state["replies"]), abs=0.1), state
     assert state["errors"] == [], state["errors"]
     assert problems == [], problems
+
+
+async def test_a_spoken_turn_over_webrtc_in_chromium(make_server, fake_mic_wav: Path, tmp_path: Path) -> None:
+    """The page's WebRTC mode against the server's `/v1/realtime/calls`: Chromium's own WebRTC stack (its
+    audio processing, Opus, ICE, SCTP) places the call; the transcript and the reply's text arrive on the
+    `oai-events` channel, and the reply's audio on the call's track (its energy measured by the page)."""
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
+    srv = await make_server()
+    async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
+        await page.navigate(srv.http + "/?transport=webrtc")
+        await _wait(
+            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
+        )
+        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'live'", 30, "the call did not start")
+        await _wait(
+            page,
+            f"/dark suit|greasy/i.test({FINAL_TRANSCRIPT_JS})",
+            TRANSCRIPT_TIMEOUT_S,
+            "no final transcript with 'dark suit' or 'greasy' in #transcript",
+        )
+        reply = await _wait(
+            page,
+            "(d => d.replies.find(r => r.done && r.text.trim()) && d.rtc.bufferEvents.includes('stopped')"
+            " && d.rtc.loudSince !== null ? d : null)(window.duplexd)",
+            REPLY_TIMEOUT_S,
+            "no reply played over the call",
+        )
+        assert srv.server.counters["calls"] == 1 and len(srv.server.calls.active) == 1
+        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'ended'", 30, "the call did not end cleanly")
+        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
+        problems = list(page.problems)
+
+    assert isinstance(reply, dict)
+    assert state["transport"] == "webrtc" and state["closeCode"] == 1000 and state["callId"], state
+    assert any("dark suit" in t.lower() or "greasy" in t.lower() for t in state["transcriptFinal"]), state
+    assert state["replies"][0]["text"].strip() and state["rtc"]["bufferEvents"][:1] == ["started"], state
+    # The reply's audio reached the page: Chromium decoded samples with energy in them (inbound-rtp stats).
+    assert state["rtc"]["audioEnergy"] > 1e-3 and state["rtc"]["samplesReceived"] > 48_000, state["rtc"]
+    assert state["eosToFirstTextMs"] and state["eosToFirstAudioMs"], state
+    assert state["errors"] == [], state["errors"]
+    assert problems == [], problems
+    await asyncio.sleep(0.5)
+    assert srv.server.calls.active == {} and srv.server.sessions == {}  # (the hangup ended the call)

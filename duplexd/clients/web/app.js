@@ -91,6 +91,20 @@ function micErrorText(e) {
 }
 
 // `node`: the process that owns the session behind a balancer (session.started.node), for a resume.
+// The microphone, with the browser's echo canceller, noise suppression and gain control (null: refused,
+// and the page says why).
+async function openMic() {
+  setStatus("Asking for the microphone…");
+  try {
+    return await navigator.mediaDevices.getUserMedia({
+      audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 },
+    });
+  } catch (e) {
+    abortStart(micErrorText(e), "mic_refused");
+    return null;
+  }
+}
+
 function streamUrl(node) {
   const query = new URLSearchParams();
   const token = new URLSearchParams(location.search).get("token");
@@ -118,15 +132,8 @@ async function start() {
     return abortStart("The microphone needs a secure page (https, or http on localhost).");
   }
   if (!(await checkHealth())) return abortStart("The server is unreachable.", "unreachable");
-  setStatus("Asking for the microphone…");
-  let mic;
-  try {
-    mic = await navigator.mediaDevices.getUserMedia({
-      audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 },
-    });
-  } catch (e) {
-    return abortStart(micErrorText(e), "mic_refused");
-  }
+  const mic = await openMic();
+  if (!mic) return;
 
   const ctx = new AudioContext();
   try {
