@@ -11,18 +11,26 @@ HTTP, the answer set; the reply comes back as the call's audio track and JSON ev
 
 The microphone (`Microphone`) plays what it is given in real time in 20 ms frames, silence otherwise; the
 loudspeaker (`Loudspeaker`) keeps what the call played (48 kHz mono, bounded) with the time of each frame.
+
+`RtcClient(tokens=True)` also opens duplexd's `eloquent` channel (unordered, no retransmissions): the reply
+tokens come there as Eloquent packets too, and `tokens` renders each once, in order, from whichever of the
+two channels brings it first (the events channel's deltas carry the same `token_seq`), as the datagram
+client merges UDP with the WebSocket. `drop` discards that share of the channel's messages on arrival, as a
+lossy network would (the events channel is not touched: it is reliable).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -32,9 +40,13 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame
 
+from duplexd.transport.datagram import DatagramError, decode_tokens, encode_ack
+from duplexd.transport.packetizer import Packet, Receiver, Token
+
 RATE = 48_000
 FRAME = RATE // 50  # 20 ms
 EVENTS_LABEL = "oai-events"
+TOKENS_LABEL = "eloquent"
 
 
 class Microphone(MediaStreamTrack):
@@ -140,10 +152,18 @@ def _rms(pcm: np.ndarray) -> float:
     return float(np.sqrt(np.mean(pcm.astype(np.float32) ** 2)))
 
 
-class RtcClient:
-    """One call's client side: a peer connection with a microphone track and an `oai-events` channel."""
+@dataclass(slots=True)
+class Rendered:
+    token: Token
+    at: float  # monotonic time it could be shown
+    path: str  # "eloquent" or "events": the channel that brought it first
 
-    def __init__(self) -> None:
+
+class RtcClient:
+    """One call's client side: a peer connection with a microphone track and an `oai-events` channel (and,
+    with `tokens`, the `eloquent` one)."""
+
+    def __init__(self, *, tokens: bool = False, drop: float = 0.0, seed: int = 0) -> None:
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # (host candidates: no STUN to reach)
         self.mic = Microphone()
         self.speaker = Loudspeaker()
@@ -157,15 +177,52 @@ class RtcClient:
         self.channel.on("open", self._open.set)
         self.channel.on("message", self._on_message)
         self.pc.on("track", self._on_track)
+        self.receiver = Receiver()
+        self.tokens: list[Rendered] = []  # every reply token, once, in order
+        self.dropped = 0  # `eloquent` messages discarded on arrival (`drop`)
+        self.eloquent_messages = 0
+        self._drop, self._random = drop, random.Random(seed)
+        self.tokens_channel = None
+        if tokens:
+            self.tokens_channel = self.pc.createDataChannel(TOKENS_LABEL, ordered=False, maxRetransmits=0)
+            self.tokens_channel.on("message", self._on_packet)
 
     def _on_track(self, track: Any) -> None:
         if track.kind == "audio":
             self._tasks.append(asyncio.get_running_loop().create_task(self.speaker.run(track)))
 
     def _on_message(self, message: str | bytes) -> None:
-        self.events.append(json.loads(message))
+        event = json.loads(message)
+        self.events.append(event)
         self.event_times.append(time.monotonic())
+        if isinstance(seq := event.get("token_seq"), int) and event.get("delta") is not None:
+            self._render(Packet(0, (Token(seq, 0, event["delta"]),)), "events")
         self._changed.set()
+
+    def _on_packet(self, message: str | bytes) -> None:
+        if not isinstance(message, bytes):
+            return
+        self.eloquent_messages += 1
+        if self._drop and self._random.random() < self._drop:
+            self.dropped += 1
+            return
+        try:
+            packet = decode_tokens(message)
+        except DatagramError:
+            return
+        self._render(packet, "eloquent")
+        if self.tokens_channel is not None and self.tokens_channel.readyState == "open":
+            self.tokens_channel.send(encode_ack(self.receiver.ack()))
+        self._changed.set()
+
+    def _render(self, packet: Packet, path: str) -> None:
+        now = time.monotonic()
+        self.tokens.extend(Rendered(t, now, path) for t in self.receiver.receive(packet))
+
+    @property
+    def text(self) -> str:
+        """The reply tokens rendered so far, in order."""
+        return "".join(r.token.text for r in self.tokens)
 
     async def offer(self) -> str:
         await self.pc.setLocalDescription(await self.pc.createOffer())

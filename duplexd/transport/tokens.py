@@ -4,7 +4,9 @@ Every token is numbered and kept by the Eloquent sender until acknowledged (`ack
 WebSocket, or a datagram ack), so a resume can send again what a dead socket swallowed. Over the WebSocket a
 token goes once (reliable and ordered: redundancy would add bytes, not robustness). Over the datagram path,
 when the client opened one, each new token goes as an Eloquent packet carrying every unacknowledged token,
-and while no new token comes the unacknowledged ones go again after an RTO (`run`).
+and while no new token comes the unacknowledged ones go again after an RTO (`run`). A WebRTC call's
+unreliable data channel (`open_channel`) carries the same packets, without the datagram's header and MAC:
+the channel is inside the call's DTLS.
 """
 
 from __future__ import annotations
@@ -12,10 +14,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Callable
 from typing import Any
 
 from duplexd.config import TransportConfig
-from duplexd.transport.datagram import MAX_PAYLOAD_BYTES, DatagramEndpoint, new_key
+from duplexd.transport.datagram import (
+    MAX_PAYLOAD_BYTES,
+    DatagramEndpoint,
+    DatagramError,
+    decode_ack,
+    encode_tokens,
+    new_key,
+)
 from duplexd.transport.packetizer import Ack, Eloquent, Packet, SenderConfig
 
 
@@ -31,6 +41,7 @@ class ReplyTokens:
         )
         self._datagram = datagram
         self.tag: bytes | None = None  # the client's datagram tag, once it opened the path
+        self._channel: Callable[[bytes], None] | None = None  # a WebRTC call's unreliable channel, once open
         self._wake = asyncio.Event()
 
     @property
@@ -51,14 +62,34 @@ class ReplyTokens:
             "key": base64.b64encode(key).decode(),
         }
 
+    def open_channel(self, send: Callable[[bytes], None]) -> None:
+        """A WebRTC call's unreliable, unordered data channel: every token from now on goes as Eloquent
+        packets through `send` (TOKENS payloads), acknowledged by `channel_ack`."""
+        self._channel = send
+
+    def channel_ack(self, payload: bytes) -> None:
+        """An ACK payload from the call's channel (a malformed or impossible one is ignored, as on UDP)."""
+        try:
+            ack = decode_ack(payload)
+        except DatagramError:
+            return
+        if ack.token_seq <= self.sender.last_seq:
+            self.sender.ack(ack, time.monotonic())
+
+    @property
+    def redundant(self) -> bool:
+        """Tokens go as Eloquent packets (a datagram path or a call's channel is open)."""
+        return self.tag is not None or self._channel is not None
+
     def close(self) -> None:
+        self._channel = None
         if self.tag is not None and self._datagram is not None:
             self._datagram.unregister(self.tag)
 
     def push(self, reply: int, text: str) -> int:
         """A new token of `reply`: kept, and sent on the datagram path if open. Its number."""
         packets: list[Packet] = []
-        if self.tag is None:
+        if not self.redundant:
             self.sender.add(reply, [text])
         else:
             packets = self.sender.push(reply, [text], time.monotonic())
@@ -78,11 +109,14 @@ class ReplyTokens:
         if self._datagram is not None and self.tag is not None:
             for packet in packets:
                 self._datagram.send(self.tag, packet)
+        if self._channel is not None:
+            for packet in packets:
+                self._channel(encode_tokens(packet))
 
     async def run(self) -> None:
         """Eloquent's tail: when no new token comes, the unacknowledged ones go again after an RTO."""
         while True:
-            due = self.sender.next_timer() if self.tag is not None else None
+            due = self.sender.next_timer() if self.redundant else None
             self._wake.clear()
             if due is None:
                 await self._wake.wait()

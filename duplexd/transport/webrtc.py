@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EVENTS_LABEL = "oai-events"  # the data channel OpenAI's clients open for the JSON events
+TOKENS_LABEL = "eloquent"  # duplexd's: an unordered, unreliable channel for the reply tokens as Eloquent packets
 FRAME_MS = 20
 MIC_FRAMES = 50  # microphone frames waiting for the session (1 s): beyond, the oldest is dropped
 INBOX_EVENTS = 256  # client events waiting to be applied: beyond, the call ends (a client flooding it)
@@ -228,6 +229,14 @@ class WebRtcCodec(RealtimeCodec):
                 return
         super().event(event)
 
+    def token(self, reply: int, text: str) -> None:
+        """The transcript delta on the events channel; with the `eloquent` channel open, the token also goes
+        there as Eloquent packets, and the delta carries its `token_seq` (the client merges the two by it)."""
+        events = self.out.token(reply, text)
+        if events and self.conn.tokens.redundant:
+            events = [{**events[0], "token_seq": self.conn.tokens.push(reply, text)}]
+        self._send_all(events)
+
     def audio(self, seq: int, pcm: bytes) -> None:
         r = self.out.response
         self.speaker.push(pcm, r.id if r is not None else None)
@@ -317,6 +326,9 @@ class RtcCall:
         await self.pc.close()
 
     def _on_channel(self, channel: Any) -> None:
+        if channel.label == TOKENS_LABEL:
+            self._open_tokens(channel)
+            return
         if channel.label != EVENTS_LABEL or self.channel is not None:
             return
         self.channel = channel
@@ -328,6 +340,28 @@ class RtcCall:
             self._channel_open.set()
         else:
             channel.on("open", self._channel_open.set)
+
+    def _open_tokens(self, channel: Any) -> None:
+        """The client's `eloquent` channel (it should be unordered with `maxRetransmits: 0`): reply tokens as
+        Eloquent TOKENS payloads out, its ACK payloads in."""
+
+        def send(payload: bytes) -> None:
+            if channel.readyState == "open":
+                channel.send(payload)
+
+        def on_message(message: str | bytes) -> None:
+            if isinstance(message, bytes):
+                self.conn.tokens.channel_ack(message)
+
+        channel.on("message", on_message)
+        self.conn.tokens.open_channel(send)
+        log.info(
+            "call %s: reply tokens also as Eloquent packets (ordered %s, max retransmits %s)",
+            self.id,
+            channel.ordered,
+            channel.maxRetransmits,
+            extra={"event": "call.tokens", "call": self.id},
+        )
 
     def _on_message(self, message: str | bytes) -> None:
         if not isinstance(message, str):
@@ -362,6 +396,7 @@ class RtcCall:
             asyncio.create_task(self._read_mic()),
             asyncio.create_task(self._feed_mic()),
             asyncio.create_task(self._setup_deadline()),
+            asyncio.create_task(conn.tokens.run()),  # (Eloquent's repeats, while a tokens channel is open)
         ]
         try:
             await self.ended.wait()

@@ -238,13 +238,15 @@ async def test_a_backchannel_pauses_the_reply_in_the_page_and_it_plays_on(
 async def test_a_spoken_turn_over_webrtc_in_chromium(make_server, fake_mic_wav: Path, tmp_path: Path) -> None:
     """The page's WebRTC mode against the server's `/v1/realtime/calls`: Chromium's own WebRTC stack (its
     audio processing, Opus, ICE, SCTP) places the call; the transcript and the reply's text arrive on the
-    `oai-events` channel, and the reply's audio on the call's track (its energy measured by the page)."""
+    `oai-events` channel, and the reply's audio on the call's track (its energy measured by the page). The
+    reply's tokens also come on the `eloquent` channel, of which the page drops half (`?drop=0.5`): it still
+    shows every token once, in order."""
     chromium = _chromium()
     if chromium is None:
         pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server()
     async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
-        await page.navigate(srv.http + "/?transport=webrtc")
+        await page.navigate(srv.http + "/?transport=webrtc&drop=0.5")
         await _wait(
             page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
         )
@@ -273,6 +275,14 @@ async def test_a_spoken_turn_over_webrtc_in_chromium(make_server, fake_mic_wav: 
     assert state["transport"] == "webrtc" and state["closeCode"] == 1000 and state["callId"], state
     assert any("dark suit" in t.lower() or "greasy" in t.lower() for t in state["transcriptFinal"]), state
     assert state["replies"][0]["text"].strip() and state["rtc"]["bufferEvents"][:1] == ["started"], state
+    # Every token once, in order, whichever channel brought it; some came first on the lossy one.
+    rtc = state["rtc"]
+    assert [seq for seq, _ in rtc["tokens"]] == list(range(1, len(rtc["tokens"]) + 1)) and rtc["tokens"], rtc
+    paths = [path for _, path in rtc["tokens"]]
+    assert set(paths) <= {"eloquent", "events"} and "eloquent" in paths, paths
+    assert 0 < rtc["eloquentDropped"] < rtc["eloquentMessages"], rtc
+    done = [r for r in state["replies"] if r["done"] and not r["interrupted"]]
+    assert done and all(r["streamedText"] == r["text"] for r in done), state["replies"]
     # The reply's audio reached the page: Chromium decoded samples with energy in them (inbound-rtp stats).
     assert state["rtc"]["audioEnergy"] > 1e-3 and state["rtc"]["samplesReceived"] > 48_000, state["rtc"]
     assert state["eosToFirstTextMs"] and state["eosToFirstAudioMs"], state

@@ -218,3 +218,31 @@ async def test_a_call_that_cannot_be_placed_gets_a_readable_http_error(make_serv
     refused = await asyncio.to_thread(_post_raw, f"{srv.http}/v1/realtime/calls", b"v=0\r\n", "text/plain")
     assert refused[0] == 415 and b"application/sdp" in refused[1]
     assert srv.server.calls.active == {} and srv.server.sessions == {}
+
+
+async def test_reply_tokens_come_once_and_in_order_over_the_eloquent_channel_that_loses_half(make_server) -> None:
+    """With duplexd's `eloquent` channel (unordered, no retransmissions) open, every reply token also goes
+    as Eloquent packets; the client drops half of what that channel brings, and still renders every token
+    once, in order, from whichever channel brought it first, and acknowledges them all."""
+    srv = await make_server()
+    client = RtcClient(tokens=True, drop=0.5, seed=7)
+    try:
+        answer, call_id = await asyncio.to_thread(post_offer, f"{srv.http}/v1", await client.offer())
+        await client.connect(answer)
+        client.send({"type": "conversation.item.create", "item": _typed("Tell me about the ocean and its animals.")})
+        client.send({"type": "response.create"})
+        await client.wait_for(lambda e: any(x["type"] == "response.done" for x in e), 30)
+        kinds = validated(client)  # (`token_seq` is duplexd's field: the openai models allow it)
+        assert "error" not in kinds
+        deltas = client.of("response.output_audio_transcript.delta")
+        assert [d["token_seq"] for d in deltas] == list(range(1, len(deltas) + 1)) and len(deltas) > 3
+        assert client.text == "".join(d["delta"] for d in deltas)  # every token once, in order
+        assert [r.token.seq for r in client.tokens] == list(range(1, len(deltas) + 1))
+        assert 0 < client.dropped < client.eloquent_messages
+        assert any(r.path == "eloquent" for r in client.tokens), [r.path for r in client.tokens]
+        sender = srv.server.calls.active[call_id].conn.tokens.sender
+        async with asyncio.timeout(10):  # (Eloquent repeats the unacknowledged tail until an ack comes)
+            while sender.unacked:  # noqa: ASYNC110 (the server's sender state)
+                await asyncio.sleep(0.05)
+    finally:
+        await client.close()

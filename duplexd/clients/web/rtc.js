@@ -5,10 +5,17 @@
 // buffer. The JSON events of /v1/realtime come and go on the `oai-events` data channel. The call is placed
 // as OpenAI's WebRTC guide places it: the SDP offer POSTed to /v1/realtime/calls, the answer in the body.
 // Uses app.js's page helpers (ui, pub, setState, setStatus, fail, openMic, checkHealth, renderLatency, ...).
+//
+// Reply tokens also come on duplexd's `eloquent` channel (unordered, no retransmissions) as Eloquent
+// packets, each carrying every token not yet acknowledged; the events channel's transcript deltas carry the
+// same `token_seq`. The page shows each token once, in order, from whichever channel brings it first, and
+// acknowledges on the `eloquent` channel. `?drop=0.3` discards that share of its packets on arrival (a test
+// of the merge, as a lossy network would).
 "use strict";
 
 const RTC_STATS_MS = 250; // how often the received reply audio is measured (getStats)
 const RTC_GATHER_MS = 5000; // ICE gathering (host candidates) before the offer goes out anyway
+const TOKENS_WINDOW = 1024; // tokens held past a gap (as the server's sender keeps at most this many)
 
 function transport() {
   const asked = new URLSearchParams(location.search).get("transport");
@@ -31,7 +38,10 @@ async function startRtc() {
   Object.assign(pub, {
     transport: "webrtc", sessionId: null, dialog: null, transcriptFinal: [], replies: [], playedMs: 0,
     eosToFirstAudioMs: [], eosToFirstTextMs: [], errors: [], closeCode: null, callId: null,
-    rtc: { audioEnergy: 0, samplesReceived: 0, loudSince: null, bufferEvents: [] },
+    rtc: {
+      audioEnergy: 0, samplesReceived: 0, loudSince: null, bufferEvents: [],
+      tokens: [], eloquentMessages: 0, eloquentDropped: 0, // tokens: [seq, "eloquent" | "events"], in order
+    },
   });
   ui.transcript.replaceChildren();
   ui.reply.replaceChildren();
@@ -46,6 +56,8 @@ async function startRtc() {
   const s = {
     rtc: true, pc, mic, ending: false, started: false, channel: null, audio: new Audio(), statsTimer: null,
     current: null, replyEls: new Map(), userEl: null, speechStoppedAt: null, responseAt: null,
+    tokens: null, contiguous: 0, highestPacket: 0, held: new Map(), ready: [],
+    drop: Number(new URLSearchParams(location.search).get("drop") ?? 0),
   };
   session = s;
   s.audio.autoplay = true;
@@ -61,6 +73,9 @@ async function startRtc() {
   s.channel.onclose = () => {
     if (!s.ending) endRtc(s, "the events channel closed");
   };
+  s.tokens = pc.createDataChannel("eloquent", { ordered: false, maxRetransmits: 0 });
+  s.tokens.binaryType = "arraybuffer";
+  s.tokens.onmessage = (m) => onTokens(s, m.data);
   setState("connecting");
   setStatus("Placing the call…");
   try {
@@ -142,7 +157,7 @@ function onRtcEvent(s, ev) {
       break;
     }
     case "response.created": {
-      const reply = { reply: ev.response.id, text: "", done: false, interrupted: false, heardText: null };
+      const reply = { reply: ev.response.id, text: "", streamedText: "", done: false, interrupted: false, heardText: null };
       pub.replies.push(reply);
       s.current = reply;
       s.responseAt = performance.now();
@@ -152,18 +167,18 @@ function onRtcEvent(s, ev) {
       ui.reply.appendChild(el);
       s.replyEls.set(reply.reply, el);
       ui.interrupt.disabled = false;
+      renderTokens(s); // (tokens of this reply the eloquent channel brought before the event)
       break;
     }
     case "response.output_audio_transcript.delta":
-    case "response.output_text.delta": {
-      const reply = pub.replies.findLast((r) => r.reply === ev.response_id);
-      if (!reply) break;
-      if (!reply.text && s.speechStoppedAt !== null) pub.eosToFirstTextMs.push(Math.round(performance.now() - s.speechStoppedAt));
-      reply.text += ev.delta;
-      s.replyEls.get(reply.reply).textContent = reply.text;
-      renderLatency();
+    case "response.output_text.delta":
+      if (typeof ev.token_seq === "number") {
+        holdToken(s, ev.token_seq, ev.delta, "events");
+        renderTokens(s);
+      } else {
+        showToken(s, ev.delta);
+      }
       break;
-    }
     case "response.done": {
       const reply = pub.replies.findLast((r) => r.reply === ev.response.id);
       if (!reply) break;
@@ -194,6 +209,67 @@ function onRtcEvent(s, ev) {
     default:
       break;
   }
+}
+
+// -- reply tokens from two channels ------------------------------------------------------------------
+
+// A TOKENS payload (transport/datagram.py): packet number u32, first seq u32, count u16; per token reply u32,
+// text bytes u16, the UTF-8 text. Little-endian.
+function onTokens(s, data) {
+  if (!(data instanceof ArrayBuffer) || data.byteLength < 10) return;
+  pub.rtc.eloquentMessages++;
+  if (s.drop > 0 && Math.random() < s.drop) {
+    pub.rtc.eloquentDropped++;
+    return;
+  }
+  const v = new DataView(data);
+  const number = v.getUint32(0, true);
+  const first = v.getUint32(4, true);
+  const count = v.getUint16(8, true);
+  const utf8 = new TextDecoder();
+  let at = 10;
+  for (let i = 0; i < count && at + 6 <= data.byteLength; i++) {
+    const n = v.getUint16(at + 4, true);
+    at += 6;
+    holdToken(s, first + i, utf8.decode(new Uint8Array(data, at, n)), "eloquent");
+    at += n;
+  }
+  s.highestPacket = Math.max(s.highestPacket, number);
+  renderTokens(s);
+  if (s.tokens.readyState === "open") {
+    const ack = new DataView(new ArrayBuffer(8)); // ACK payload: token_seq u32, packet number u32
+    ack.setUint32(0, s.contiguous, true);
+    ack.setUint32(4, s.highestPacket, true);
+    s.tokens.send(ack.buffer);
+  }
+}
+
+function holdToken(s, seq, text, path) {
+  if (seq > s.contiguous && seq <= s.contiguous + TOKENS_WINDOW && !s.held.has(seq)) s.held.set(seq, [text, path]);
+}
+
+// The tokens that follow the last one shown, in order; they join the reply in progress (the eloquent
+// channel may bring a reply's first tokens before its response.created: they wait for it).
+function renderTokens(s) {
+  while (s.held.has(s.contiguous + 1)) {
+    const seq = ++s.contiguous;
+    const [text, path] = s.held.get(seq);
+    s.held.delete(seq);
+    pub.rtc.tokens.push([seq, path]);
+    s.ready.push(text);
+  }
+  if (!s.current || s.current.done) return;
+  for (const text of s.ready.splice(0)) showToken(s, text);
+}
+
+function showToken(s, text) {
+  const reply = s.current;
+  if (!reply) return;
+  if (!reply.text && s.speechStoppedAt !== null) pub.eosToFirstTextMs.push(Math.round(performance.now() - s.speechStoppedAt));
+  reply.text += text;
+  reply.streamedText += text;
+  s.replyEls.get(reply.reply).textContent = reply.text;
+  renderLatency();
 }
 
 function userLine(s) {
