@@ -290,6 +290,7 @@ BENCHMARKS = {  # `duplexd bench NAME`: the module whose `main(args)` runs it
     "overload": "duplexd.bench.capacity",  # (its `main` tells the two apart by `args.what`)
     "collapse": "duplexd.bench.collapse",
     "transport": "duplexd.bench.transport",
+    "webrtc-tokens": "duplexd.bench.rtc_tokens",
     "chaos": "duplexd.bench.chaos",
     "cluster": "duplexd.bench.cluster",
     "threads": "duplexd.bench.threads",
