@@ -15,6 +15,7 @@ Realtime).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -192,6 +193,17 @@ class Connection:
             return None
         voice.pace(now)
         return self._frame_s / 2
+
+    async def pace(self) -> None:
+        """Send the reply audio as it comes due, until cancelled (the shell runs it beside its reader)."""
+        while True:
+            delay = self.tick(time.monotonic())
+            self.audio_wake.clear()
+            if delay is None:
+                await self.audio_wake.wait()
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.audio_wake.wait(), delay)
 
     def attach(self, link: Link) -> None:
         self.link = link

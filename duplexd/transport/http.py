@@ -18,6 +18,7 @@ from duplexd.transport.limits import authorized, origin_allowed, request_key
 from duplexd.transport.listener import MAX_BODY_BYTES
 from duplexd.transport.listener import response as _response
 from duplexd.transport.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from duplexd.transport.webrtc import CallError
 
 if TYPE_CHECKING:
     from duplexd.transport.server import Server
@@ -71,8 +72,6 @@ def route(server: Server, connection: ServerConnection, request: Request) -> Res
 
 def _post(server: Server, connection: ServerConnection, request: Request, path: str) -> Response | Awaitable[Response]:
     """The WebRTC routes; any other request with another method than GET is refused."""
-    from duplexd.transport.webrtc import CallError
-
     hangup = path.startswith(CALLS_PATH + "/") and path.endswith("/hangup")
     if request.method != "POST" or not (path in (CALLS_PATH, SECRETS_PATH) or hangup):
         return json_error(http.HTTPStatus.METHOD_NOT_ALLOWED, "method_not_allowed", f"{request.method} {path}")
@@ -115,8 +114,6 @@ def _too_many(server: Server) -> Response:
 
 
 async def _place_call(server: Server, body: bytes, content_type: str, ip: str, secret: Any) -> Response:
-    from duplexd.transport.webrtc import CallError
-
     try:
         call_id, answer = await server.calls.create(body, content_type, ip, secret)
     except CallError as exc:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from duplexd.config import ServerConfig
 from duplexd.events import Word
 from duplexd.transport import realtime as rt
 from duplexd.transport.realtime_items import Items
@@ -74,6 +75,10 @@ class VadDefaults:
     threshold: float
     prefix_padding_ms: int
     silence_duration_ms: int
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> VadDefaults:
+        return cls(config.vad.threshold, round(1000 * config.asr.preroll_s), config.turn.min_silence_ms)
 
 
 def turn_detection_object(td: rt.TurnDetection | None, defaults: VadDefaults) -> dict[str, Any] | None:

@@ -84,8 +84,7 @@ class RealtimeCodec:
         self._idle_since: float | None = None  # (idle_timeout_ms) since the last response played out
         self.context = LlmContext(conn, self.items, self.out, self.settings)  # (the LLM's follows the items)
         self._oob: OutOfBand | None = None  # the responses outside the conversation (a dialog model only)
-        t = server.config
-        self._vad_defaults = VadDefaults(t.vad.threshold, round(1000 * t.asr.preroll_s), t.turn.min_silence_ms)
+        self._vad_defaults = VadDefaults.of(server.config)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 

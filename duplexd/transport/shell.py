@@ -48,7 +48,7 @@ class WebSocketShell:
                 conn.take_over(resume, time.monotonic())
             async with asyncio.TaskGroup() as tg:
                 sender = tg.create_task(self._send_loop())
-                timers = [tg.create_task(self._pace_loop()), tg.create_task(conn.tokens.run())]
+                timers = [tg.create_task(conn.pace()), tg.create_task(conn.tokens.run())]
                 try:
                     if conn.close is None:
                         await conn.open(time.monotonic())
@@ -108,14 +108,3 @@ class WebSocketShell:
                     await self.ws.send(msg)
                 await self.ws.close(close.code, close.reason)
         self.abort()
-
-    async def _pace_loop(self) -> None:
-        wake = self.conn.audio_wake
-        while True:
-            delay = self.conn.tick(time.monotonic())
-            wake.clear()
-            if delay is None:
-                await wake.wait()
-                continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), delay)

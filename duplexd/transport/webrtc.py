@@ -22,7 +22,6 @@ Every queue is bounded: the microphone's frames (`MIC_FRAMES`, oldest dropped), 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -45,7 +44,7 @@ from duplexd.streaming.audio import StreamResampler
 from duplexd.transport import protocol
 from duplexd.transport import realtime as rt
 from duplexd.transport.connection import Connection
-from duplexd.transport.realtime_out import session_object
+from duplexd.transport.realtime_out import VadDefaults, session_object
 from duplexd.transport.realtime_session import RealtimeCodec
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
@@ -392,7 +391,7 @@ class RtcCall:
         tasks = [
             asyncio.create_task(self._send_loop()),
             asyncio.create_task(self._read_loop()),
-            asyncio.create_task(self._pace_loop()),
+            asyncio.create_task(conn.pace()),
             asyncio.create_task(self._read_mic()),
             asyncio.create_task(self._feed_mic()),
             asyncio.create_task(self._setup_deadline()),
@@ -453,17 +452,6 @@ class RtcCall:
             if await conn.receive(message, time.monotonic()):
                 conn.outbox.ready.set()  # (the sender writes what is left, then ends the call)
                 return
-
-    async def _pace_loop(self) -> None:
-        conn = self.conn
-        while True:
-            delay = conn.tick(time.monotonic())
-            conn.audio_wake.clear()
-            if delay is None:
-                await conn.audio_wake.wait()
-                continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(conn.audio_wake.wait(), delay)
 
     async def _read_mic(self) -> None:
         """The microphone track's frames, downmixed and resampled to 24 kHz, into a bounded queue (reading
@@ -554,7 +542,7 @@ class Calls:
         secret = ClientSecret(now + ttl, update, session_json)
         self._secrets[value] = secret
         settings = rt.SessionSettings(instructions=self.server.config.dialog.system_prompt)
-        shown = session_object("sess_" + secrets.token_hex(8), settings, _vad_defaults(self.server))
+        shown = session_object("sess_" + secrets.token_hex(8), settings, VadDefaults.of(self.server.config))
         if update is not None:
             shown = {**shown, **{k: v for k, v in session_json.items() if k in shown}}  # type: ignore[union-attr]
         return {"value": value, "expires_at": int(secret.expires_at), "session": shown}
@@ -618,13 +606,6 @@ class Calls:
             call.end("server stopping")
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _vad_defaults(server: Server) -> Any:
-    from duplexd.transport.realtime_out import VadDefaults
-
-    c = server.config
-    return VadDefaults(c.vad.threshold, round(1000 * c.asr.preroll_s), c.turn.min_silence_ms)
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
