@@ -26,6 +26,8 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
     BAD_PLAYBACK = "bad_playback"
     NO_REPLY = "no_reply"
+    REPLYING = "replying"
+    NO_DIALOG = "no_dialog"
     BAD_ACK = "bad_ack"
     RESUME_REFUSED = "resume_refused"
     RATE_LIMITED = "rate_limited"

@@ -192,6 +192,8 @@ class Connection:
         if voice is None or not voice.pacing:
             return None
         voice.pace(now)
+        if not voice.pacing:
+            self.codec.tick(now)  # (the reply has just played out: what the codec held back for it may go)
         return self._frame_s / 2
 
     async def pace(self) -> None:

@@ -1,17 +1,19 @@
 """The native protocol v1 (`/v1/stream`, docs/protocol.md) as a codec over a session's connection.
 
 Client messages in (`session.start` / `session.resume`, binary audio frames, `playback`, `ack`,
-`reply.cancel`, `session.end`) become the connection's session-core calls; the core's events, reply tokens
-and audio frames go out as native messages (numbered `n` and kept for a resume). `transport.realtime_session`
-is the other codec, OpenAI Realtime's.
+`reply.cancel`, `user.text`, `session.update`, `session.end`) become the connection's session-core calls;
+the core's events, reply tokens and audio frames go out as native messages (numbered `n` and kept for a
+resume). `transport.realtime_session` is the other codec, OpenAI Realtime's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from duplexd import events as ev
 from duplexd.errors import ErrorCode, ProtocolError
 from duplexd.events import Event
 from duplexd.transport import protocol
@@ -23,12 +25,20 @@ if TYPE_CHECKING:
     from duplexd.transport.connection import Connection
 
 
+CONTEXT_TURNS = 64  # finished turns kept to rebuild the LLM's context with new instructions
+
+
 class NativeCodec:
     numbered = True  # events carry `n` and are kept for a resume
     reports_playback = True  # the client says what it has played (`playback`)
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.instructions = conn.server.config.dialog.system_prompt
+        # The conversation as the LLM holds it, (role, text), for a `session.update` of the instructions: the
+        # context is rebuilt from these (the newest; the engine's window keeps fewer anyway).
+        self._turns: deque[tuple[str, str]] = deque(maxlen=CONTEXT_TURNS)
+        self._prompt_stale = False  # new instructions wait for the reply in progress to end
 
     async def opening(self, now: float) -> None:
         """Before the first message is read: the native protocol waits for `session.start`."""
@@ -37,12 +47,18 @@ class NativeCodec:
         """A new conversation: the server's settings stand."""
 
     def tick(self, now: float) -> None:
-        pass
+        if self._prompt_stale:
+            self._rebuild(now)
 
     def release(self) -> None:
         pass
 
     def event(self, event: Event) -> None:
+        match event:
+            case ev.TurnEnded(text=text) if text.strip():
+                self._turns.append(("user", text))
+            case ev.ReplyDone(text=text) | ev.ReplyInterrupted(heard_text=text) if text.strip():
+                self._turns.append(("assistant", text))
         self.conn.send(protocol.encode_event(event))
 
     def audio(self, seq: int, pcm: bytes) -> None:
@@ -73,6 +89,7 @@ class NativeCodec:
             },
             "models": server.models(),
             "resume": {"token": self.conn.resume_token, "grace_s": t.resume_grace_s},
+            **(self._settings() if dialog else {}),
             **self._open_datagram(msg),
         }
 
@@ -124,9 +141,52 @@ class NativeCodec:
                     raise ProtocolError(ErrorCode.NO_REPLY, "reply.cancel with no reply in progress")
                 self.conn.dispatch(self.conn.conversation.cancel(), now)
                 return False
+            case protocol.UserText(text=text):
+                self._user_text(text, now)
+                return False
+            case protocol.SessionUpdate():
+                self._update(msg, now)
+                return False
         await self._finish()
         self.conn.ended = True
         return True
+
+    def _settings(self) -> dict[str, Any]:
+        voice = self.conn.voice
+        return {"instructions": self.instructions, "voice": voice is None or not voice.text_only}
+
+    def _user_text(self, text: str, now: float) -> None:
+        """A typed turn: it ends the user's turn (with any words spoken in it so far) and is answered."""
+        session, conv = self.conn.session, self.conn.conversation
+        assert session is not None
+        if conv is None:
+            raise ProtocolError(ErrorCode.NO_DIALOG, "user.text in a transcription-only session")
+        if conv.replying:
+            raise ProtocolError(
+                ErrorCode.REPLYING, "user.text while the assistant replies: send reply.cancel first, or wait"
+            )
+        self.conn.dispatch(conv.user_text(text, own_turn_at=session.heard_s), now)
+        self.conn.dispatch(conv.respond(session.heard_s), now)
+
+    def _update(self, msg: protocol.SessionUpdate, now: float) -> None:
+        """New instructions (the LLM's context is rebuilt with them, after the reply in progress) and/or
+        spoken or text-only replies (from the next reply's next piece on)."""
+        if self.conn.conversation is None or self.conn.voice is None:
+            raise ProtocolError(ErrorCode.NO_DIALOG, "session.update in a transcription-only session")
+        if msg.voice is not None:
+            self.conn.voice.text_only = not msg.voice
+        if msg.instructions is not None and msg.instructions != self.instructions:
+            self.instructions = msg.instructions
+            self._prompt_stale = True
+            self._rebuild(now)
+        self.conn.send({"type": ServerType.SESSION_UPDATED, **self._settings()})
+
+    def _rebuild(self, now: float) -> None:
+        conv = self.conn.conversation
+        if conv is None or conv.replying:
+            return  # (the next tick tries again)
+        self.conn.dispatch(conv.replace_context(self.instructions, list(self._turns)), now)
+        self._prompt_stale = False
 
     def _on_playback(self, played_ms: float, now: float) -> None:
         sent_ms = 1000 * self.conn.playout.sent / OUTPUT_SAMPLE_RATE

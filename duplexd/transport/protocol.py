@@ -26,12 +26,15 @@ class ClientType(StrEnum):
     REPLY_CANCEL = "reply.cancel"
     ACK = "ack"
     SESSION_RESUME = "session.resume"
+    SESSION_UPDATE = "session.update"
+    USER_TEXT = "user.text"
 
 
 class ServerType(StrEnum):
     SESSION_STARTED = "session.started"
     SESSION_ENDED = "session.ended"
     SESSION_RESUMED = "session.resumed"
+    SESSION_UPDATED = "session.updated"
     FRAME_ACK = "frame.ack"
     SPEECH_STARTED = "vad.speech_started"
     SPEECH_STOPPED = "vad.speech_stopped"
@@ -102,12 +105,29 @@ class ReplyCancel:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionUpdate:
+    """New settings for the rest of the session (None: unchanged)."""
+
+    instructions: str | None = None  # the LLM's system prompt
+    voice: bool | None = None  # replies are spoken (False: text only)
+
+
+@dataclass(frozen=True, slots=True)
+class UserText:
+    """A typed user turn: answered at once, as a spoken turn that ended would be."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class AudioFrame:
     seq: int
     pcm: bytes  # PCM16 LE mono, an even number of bytes, at least one sample
 
 
-TextMessage = SessionStart | SessionResume | SessionEnd | Playback | ReplyCancel | TokenAck
+TextMessage = SessionStart | SessionResume | SessionEnd | Playback | ReplyCancel | TokenAck | SessionUpdate | UserText
+MAX_TEXT_CHARS = 4000  # a typed turn
+MAX_INSTRUCTIONS_CHARS = 16000  # a system prompt (the LLM's window holds less: the engine keeps its start)
 ClientMessage = TextMessage | AudioFrame
 
 
@@ -147,6 +167,16 @@ def parse_text(data: str, limits: Limits) -> TextMessage:
         return TokenAck(seq, events)
     if kind == ClientType.SESSION_RESUME:
         return _parse_resume(msg)
+    if kind == ClientType.USER_TEXT:
+        text = msg.get("text")
+        if not isinstance(text, str) or not text.strip() or len(text) > MAX_TEXT_CHARS:
+            raise ProtocolError(
+                ErrorCode.BAD_MESSAGE,
+                f"user.text.text must be a non-empty string of at most {MAX_TEXT_CHARS} characters",
+            )
+        return UserText(text.strip())
+    if kind == ClientType.SESSION_UPDATE:
+        return _parse_update(msg)
     raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind[:64]!r}")
 
 
@@ -173,6 +203,18 @@ def _parse_start(msg: dict[str, Any], limits: Limits) -> SessionStart:
             ErrorCode.BAD_MESSAGE, "session.start.dialog and .datagram must be true or false", fatal=True
         )
     return SessionStart(version=version, sample_rate=rate, dialog=dialog, datagram=datagram)
+
+
+def _parse_update(msg: dict[str, Any]) -> SessionUpdate:
+    instructions, voice = msg.get("instructions"), msg.get("voice")
+    if instructions is not None and (not isinstance(instructions, str) or len(instructions) > MAX_INSTRUCTIONS_CHARS):
+        raise ProtocolError(
+            ErrorCode.BAD_MESSAGE,
+            f"session.update.instructions must be a string of at most {MAX_INSTRUCTIONS_CHARS} characters",
+        )
+    if voice is not None and not isinstance(voice, bool):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "session.update.voice must be true or false")
+    return SessionUpdate(instructions, voice)
 
 
 def _is_count(value: object) -> bool:

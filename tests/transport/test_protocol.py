@@ -17,6 +17,8 @@ from duplexd.transport.protocol import (
     ReplyCancel,
     SessionEnd,
     SessionStart,
+    SessionUpdate,
+    UserText,
     dumps,
     encode_audio_frame,
     encode_event,
@@ -46,6 +48,10 @@ def start(**fields: object) -> str:
         ('{"type": "playback", "played_ms": 1520.5}', Playback(1520.5)),
         ('{"type": "playback", "played_ms": 0}', Playback(0.0)),
         ('{"type": "reply.cancel"}', ReplyCancel()),
+        ('{"type": "user.text", "text": "  Hello there. "}', UserText("Hello there.")),
+        ('{"type": "session.update"}', SessionUpdate()),
+        ('{"type": "session.update", "voice": false}', SessionUpdate(voice=False)),
+        ('{"type": "session.update", "instructions": "Be brief.", "voice": true}', SessionUpdate("Be brief.", True)),
     ],
 )
 def test_parse_text(text: str, expected: object) -> None:
@@ -93,6 +99,12 @@ BAD_TEXT = [
     pytest.param('{"type": "playback", "played_ms": true}', ErrorCode.BAD_PLAYBACK, False, id="playback-bool"),
     pytest.param('{"type": "playback", "played_ms": NaN}', ErrorCode.BAD_PLAYBACK, False, id="playback-nan"),
     pytest.param('{"type": "playback", "played_ms": Infinity}', ErrorCode.BAD_PLAYBACK, False, id="playback-inf"),
+    pytest.param('{"type": "user.text"}', ErrorCode.BAD_MESSAGE, False, id="text-missing"),
+    pytest.param('{"type": "user.text", "text": " "}', ErrorCode.BAD_MESSAGE, False, id="text-blank"),
+    pytest.param('{"type": "user.text", "text": ["hi"]}', ErrorCode.BAD_MESSAGE, False, id="text-list"),
+    pytest.param(json.dumps({"type": "user.text", "text": "x" * 4001}), ErrorCode.BAD_MESSAGE, False, id="text-long"),
+    pytest.param('{"type": "session.update", "voice": 1}', ErrorCode.BAD_MESSAGE, False, id="voice-number"),
+    pytest.param('{"type": "session.update", "instructions": 7}', ErrorCode.BAD_MESSAGE, False, id="prompt-number"),
 ]
 
 
