@@ -51,14 +51,19 @@ def fake_mic_wav(clip_by_name: dict[str, Clip], tmp_path: Path) -> Path:
     return path
 
 
-FINAL_TRANSCRIPT_JS = "[...document.querySelectorAll('#transcript p.final')].map(p => p.textContent).join(' ')"
+FINAL_TRANSCRIPT_JS = "[...document.querySelectorAll('#conversation p.user.final')].map(p => p.textContent).join(' ')"
+# The conversation as the page shows it: [role, text] per line, in order.
+CONVERSATION_JS = (
+    "JSON.stringify([...document.querySelectorAll('#conversation p')]"
+    ".map(p => [p.classList.contains('user') ? 'user' : 'assistant', p.textContent]))"
+)
 
 # A complete reply with text in #reply, whose audio the player worklet has played to the end.
 REPLY_PLAYED_JS = """(() => {
   const d = window.duplexd;
   const reply = d.replies.find(r => r.done && r.text.trim() && r.audioFramesReceived > 0);
   const receivedMs = d.replies.reduce((sum, r) => sum + r.audioMsReceived, 0);
-  const text = document.querySelector('#reply').textContent.trim();
+  const text = [...document.querySelectorAll('#conversation p.assistant')].map(p => p.textContent).join(' ').trim();
   return reply && text && d.playedMs > 0 && d.playedMs >= receivedMs - 0.01 ? reply : null;
 })()"""
 
@@ -87,7 +92,7 @@ async def test_voice_conversation_in_chromium(make_server, fake_mic_wav: Path, t
         pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server()
     async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
-        await page.navigate(srv.http + "/")
+        await page.navigate(srv.http + "/?transport=websocket")
         await _wait(
             page,
             "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)",
@@ -112,6 +117,10 @@ async def test_voice_conversation_in_chromium(make_server, fake_mic_wav: Path, t
                 f"{await _snapshot(page)}"
             )
         reply = await _wait(page, REPLY_PLAYED_JS, REPLY_TIMEOUT_S, "no reply played")
+        await _wait(page, "window.duplexd.activity === 'listening'", 10, "the page did not go back to listening")
+
+        # Settings (text-only replies: session.update), then a typed turn (user.text).
+        typed = await _typed_turn_without_voice(page)
 
         await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
         await _wait(page, "window.duplexd.state === 'ended'", 30, "the session did not end cleanly")
@@ -128,8 +137,64 @@ async def test_voice_conversation_in_chromium(make_server, fake_mic_wav: Path, t
     assert state["playedMs"] > 0 and state["eosToFirstAudioMs"] and state["eosToFirstTextMs"], state
     assert state["errors"] == [], state["errors"]
     assert problems == [], problems
+    _assert_typed_turn(state, typed)
+    assert state["transport"] == "websocket" and state["fallback"] is None, state
+    assert typed["state"]["replies"][-1]["audioFramesReceived"] == 0, typed["state"]["replies"]
 
 
+async def _typed_turn_without_voice(page: Page) -> dict:
+    """Spoken replies off and a system prompt (Settings, Apply), then a question typed in the text box: its
+    reply comes as text only. Returns the page's state and conversation."""
+    await page.evaluate(
+        "document.querySelector('#voice').checked = false;"
+        f"document.querySelector('#instructions').value = {json.dumps(PROMPT)};"
+        "document.querySelector('#apply').click()",
+        user_gesture=True,
+    )
+    await _wait(
+        page,
+        f"(s => s && s.voice === false && s.instructions === {json.dumps(PROMPT)})(window.duplexd.settings)",
+        10,
+        "the settings were not applied",
+    )
+    await page.evaluate(
+        f"document.querySelector('#sayText').value = {json.dumps(TYPED)}; document.querySelector('#send').click()",
+        user_gesture=True,
+    )
+    await _wait(
+        page,
+        "(d => d.replies.length >= 2 && d.replies.at(-1).done && d.activity === 'listening')(window.duplexd)",
+        REPLY_TIMEOUT_S,
+        "the typed turn was not answered",
+    )
+    return {
+        "state": json.loads(await page.evaluate("JSON.stringify(window.duplexd)")),
+        "conversation": json.loads(await page.evaluate(CONVERSATION_JS)),
+        "history_rows": await page.evaluate("document.querySelectorAll('#history tbody tr').length"),
+        "level": await page.evaluate("document.querySelector('#level').value"),
+    }
+
+
+def _assert_typed_turn(state: dict, typed: dict) -> None:
+    """The typed turn shows in the conversation, after the spoken one and its reply, and is answered in
+    text; the latency history has a row for each turn; the microphone's level was seen on the meter."""
+    conversation = typed["conversation"]
+    roles = [role for role, _ in conversation]
+    assert roles[0] == "user" and "assistant" in roles[1:-2], conversation
+    assert conversation[-2] == ["user", TYPED] and roles[-1] == "assistant", conversation
+    assert conversation[-1][1].strip(), conversation
+    answer = typed["state"]["replies"][-1]
+    assert answer["text"].strip() and not answer["interrupted"], answer
+    assert state["typed"] == [TYPED] and state["mics"] >= 1 and state["micLevel"] > 0.3, state
+    history = typed["state"]["history"]
+    assert len(history) == typed["history_rows"] >= 2, history
+    spoken, written = history[0], history[-1]
+    assert spoken["totalMs"] > 0 and spoken["waitMs"] >= 0 and spoken["replyMs"] >= 0, history
+    assert written["totalMs"] is None and written["replyMs"] is not None, history  # (text only: no audio)
+
+
+PROMPT = "You are a helpful pirate. Answer in one short sentence."
+TYPED = "What is the capital of France?"
 STORYTELLER = sc.storyteller(max_reply_tokens=40, speed=0.7)  # (~12 s of speech: time to drop and resume)
 
 
@@ -141,7 +206,7 @@ async def test_the_page_resumes_the_session_when_its_connection_drops(
         pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server(STORYTELLER)
     async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
-        await page.navigate(srv.http + "/")
+        await page.navigate(srv.http + "/?transport=websocket")
         await _wait(
             page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
         )
@@ -205,7 +270,7 @@ async def test_a_backchannel_pauses_the_reply_in_the_page_and_it_plays_on(
         pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server(sc.storyteller(max_reply_tokens=60, speed=0.7))
     async with launch_chromium(chromium, tmp_path, mic_with_backchannels) as page:
-        await page.navigate(srv.http + "/")
+        await page.navigate(srv.http + "/?transport=websocket")
         await _wait(
             page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
         )
@@ -236,17 +301,17 @@ async def test_a_backchannel_pauses_the_reply_in_the_page_and_it_plays_on(
 
 
 async def test_a_spoken_turn_over_webrtc_in_chromium(make_server, fake_mic_wav: Path, tmp_path: Path) -> None:
-    """The page's WebRTC mode against the server's `/v1/realtime/calls`: Chromium's own WebRTC stack (its
+    """The page's default, WebRTC, against the server's `/v1/realtime/calls`: Chromium's own WebRTC stack (its
     audio processing, Opus, ICE, SCTP) places the call; the transcript and the reply's text arrive on the
     `oai-events` channel, and the reply's audio on the call's track (its energy measured by the page). The
     reply's tokens also come on the `eloquent` channel, of which the page drops half (`?drop=0.5`): it still
-    shows every token once, in order."""
+    shows every token once, in order. Then the settings and a typed turn, as Realtime events."""
     chromium = _chromium()
     if chromium is None:
         pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server()
     async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
-        await page.navigate(srv.http + "/?transport=webrtc&drop=0.5")
+        await page.navigate(srv.http + "/?drop=0.5")
         await _wait(
             page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
         )
@@ -266,6 +331,8 @@ async def test_a_spoken_turn_over_webrtc_in_chromium(make_server, fake_mic_wav: 
             "no reply played over the call",
         )
         assert srv.server.counters["calls"] == 1 and len(srv.server.calls.active) == 1
+        await _wait(page, "window.duplexd.activity === 'listening'", 10, "the page did not go back to listening")
+        typed = await _typed_turn_without_voice(page)
         await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
         await _wait(page, "window.duplexd.state === 'ended'", 30, "the call did not end cleanly")
         state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
@@ -290,3 +357,37 @@ async def test_a_spoken_turn_over_webrtc_in_chromium(make_server, fake_mic_wav: 
     assert problems == [], problems
     await asyncio.sleep(0.5)
     assert srv.server.calls.active == {} and srv.server.sessions == {}  # (the hangup ended the call)
+    _assert_typed_turn(state, typed)
+    assert state["fallback"] is None and typed["state"]["rtc"]["bufferEvents"].count("started") == 1, state
+
+
+async def test_the_page_falls_back_to_the_websocket_without_webrtc(
+    make_server, fake_mic_wav: Path, tmp_path: Path
+) -> None:
+    """A browser without WebRTC (RTCPeerConnection removed before the page loads): Start talks over the
+    WebSocket instead, and says so."""
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
+    srv = await make_server()
+    async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
+        await page.send("Page.addScriptToEvaluateOnNewDocument", {"source": "delete window.RTCPeerConnection;"})
+        await page.navigate(srv.http + "/")
+        await _wait(
+            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
+        )
+        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'live'", 30, "the session did not start")
+        status = await page.evaluate("document.querySelector('#status').textContent")
+        await _wait(
+            page, f"/dark suit|greasy/i.test({FINAL_TRANSCRIPT_JS})", TRANSCRIPT_TIMEOUT_S, "no final transcript"
+        )
+        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'ended'", 30, "the session did not end cleanly")
+        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
+        problems = list(page.problems)
+
+    assert state["transport"] == "websocket" and "not available" in state["fallback"], state
+    assert "WebSocket" in status and state["framesSent"] > 50, status
+    assert srv.server.counters["calls"] == 0 and state["errors"] == [], state
+    assert [p for p in problems if "WebRTC" not in p] == [], problems

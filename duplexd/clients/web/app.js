@@ -1,8 +1,13 @@
-// duplexd browser voice client for wire protocol v1 (docs/protocol.md).
+// duplexd's web page, and its WebSocket client for wire protocol v1 (docs/protocol.md).
 //
-// Mic -> capture worklet (20 ms Float32 blocks) -> PCM16 binary frames -> /v1/stream.
-// Server events -> transcript, reply text, latency panel; binary audio out -> player worklet -> speakers,
-// whose play position goes back to the server as `playback` reports.
+// The page: the conversation as one list of turns, an "assistant listening / thinking / speaking" indicator,
+// the microphone's level and a device picker, a text box for typed turns, settings (spoken replies, the system
+// prompt), and the latency of the last turns. The call itself goes over WebRTC by default (rtc.js), over this
+// WebSocket client when WebRTC is not available or does not connect, or when the switch says so.
+//
+// WebSocket: mic -> capture worklet (20 ms Float32 blocks) -> PCM16 binary frames -> /v1/stream.
+// Server events -> the conversation, latency; binary audio out -> player worklet -> speakers, whose play
+// position goes back to the server as `playback` reports.
 "use strict";
 
 const FRAME_MS = 20;
@@ -17,6 +22,11 @@ const PLAYER_JITTER_MS = 100;
 const END_TIMEOUT_MS = 15000; // after session.end, close ourselves if the server does not
 const RESUME_ATTEMPTS = 5; // a dropped connection: reconnect with session.resume this many times ...
 const RESUME_BACKOFF_MS = 250; // ... waiting this much longer before each
+const HISTORY_TURNS = 8; // turns shown in the latency history
+const TIMINGS_KEPT = 64; // turns whose timing is kept (a reply's first audio may come long after its turn)
+const METER_MS = 50; // how often the microphone level is measured
+const VOICE_DBFS = -45; // the level above which the microphone is taken to hear the user (end of speech, WebRTC)
+const SETTINGS_KEY = "duplexd.settings";
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -24,14 +34,32 @@ const ui = {
   stop: $("stop"),
   interrupt: $("interrupt"),
   status: $("status"),
-  transcript: $("transcript"),
-  reply: $("reply"),
+  activity: $("activity"),
+  conversation: $("conversation"),
   latency: $("latency"),
+  history: document.querySelector("#history tbody"),
+  mic: $("mic"),
+  level: $("level"),
+  transport: $("transport"),
+  say: $("say"),
+  sayText: $("sayText"),
+  send: $("send"),
+  voice: $("voice"),
+  instructions: $("instructions"),
+  apply: $("apply"),
 };
 
 // Everything worth checking from outside (tests, the console), plain data only.
 const pub = (window.duplexd = {
   state: "idle", // idle | starting | connecting | live | reconnecting | ending | ended | error
+  transport: null, // "webrtc" | "websocket": what the session in progress (or the last one) uses
+  fallback: null, // why the page fell back from WebRTC to the WebSocket (null: it did not)
+  activity: null, // listening | thinking | speaking (null: no session)
+  micLevel: 0, // the loudest microphone level measured (0..1, -60..0 dBFS)
+  mics: 0, // microphones the picker lists
+  settings: null, // {instructions, voice} as the server confirmed them
+  typed: [], // typed turns sent
+  history: [], // per turn: {turn, waitMs, replyMs, voiceMs, totalMs} (see renderHistory), the newest last
   sessionId: null,
   sampleRate: null,
   dialog: null,
@@ -59,6 +87,16 @@ let session = null; // the live session (see start()), null when idle
 function setState(state) {
   pub.state = state;
   document.body.dataset.state = state;
+  const live = state === "live" && pub.dialog;
+  ui.sayText.disabled = ui.send.disabled = !live;
+  if (!["live", "reconnecting", "connecting", "starting"].includes(state)) setActivity(null);
+}
+
+// What the assistant is doing: listening, thinking (the turn ended, no reply audio yet), speaking.
+function setActivity(activity) {
+  pub.activity = activity;
+  document.body.dataset.activity = activity ?? "";
+  ui.activity.textContent = activity ? `Assistant ${activity}` : "";
 }
 
 function setStatus(text, isError = false) {
@@ -90,19 +128,211 @@ function micErrorText(e) {
   }
 }
 
-// `node`: the process that owns the session behind a balancer (session.started.node), for a resume.
-// The microphone, with the browser's echo canceller, noise suppression and gain control (null: refused,
-// and the page says why).
+// The microphone the picker names (or the default), with the browser's echo canceller, noise suppression and
+// gain control (null: refused, and the page says why).
 async function openMic() {
   setStatus("Asking for the microphone…");
+  const audio = { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 };
+  if (ui.mic.value) audio.deviceId = { exact: ui.mic.value };
   try {
-    return await navigator.mediaDevices.getUserMedia({
-      audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 },
-    });
+    const mic = await navigator.mediaDevices.getUserMedia({ audio });
+    listMics(); // (their names are known once the page may use one)
+    return mic;
   } catch (e) {
     abortStart(micErrorText(e), "mic_refused");
     return null;
   }
+}
+
+// The device picker: every microphone the browser lists, the choice kept across visits.
+async function listMics() {
+  if (!navigator.mediaDevices?.enumerateDevices) return;
+  const devices = (await navigator.mediaDevices.enumerateDevices()).filter(
+    (d) => d.kind === "audioinput" && d.deviceId && d.deviceId !== "default",
+  );
+  const chosen = ui.mic.value || localStorage.getItem("duplexd.mic") || "";
+  const options = devices.map((d, i) => new Option(d.label || `Microphone ${i + 1}`, d.deviceId));
+  ui.mic.replaceChildren(new Option("Default microphone", ""), ...options);
+  ui.mic.value = devices.some((d) => d.deviceId === chosen) ? chosen : "";
+  pub.mics = devices.length;
+}
+
+// Another microphone chosen: the session in progress goes on with it.
+async function switchMic() {
+  localStorage.setItem("duplexd.mic", ui.mic.value);
+  const s = session;
+  if (!s || s.ending || !s.mic) return;
+  const audio = { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 };
+  if (ui.mic.value) audio.deviceId = { exact: ui.mic.value };
+  let mic;
+  try {
+    mic = await navigator.mediaDevices.getUserMedia({ audio });
+  } catch (e) {
+    return fail(micErrorText(e), "mic_refused");
+  }
+  if (session !== s || s.ending) return mic.getTracks().forEach((t) => t.stop());
+  const old = s.mic;
+  s.mic = mic;
+  if (s.rtc) {
+    await s.pc.getSenders().find((x) => x.track?.kind === "audio")?.replaceTrack(mic.getAudioTracks()[0]);
+  } else {
+    s.source.disconnect();
+    s.source = s.ctx.createMediaStreamSource(mic);
+    s.source.connect(s.capture);
+  }
+  s.meter?.stop();
+  s.meter = startMeter(mic, s.rtc ? null : s.ctx);
+  old.getTracks().forEach((t) => t.stop());
+}
+
+// The microphone's level on the meter (an AnalyserNode on `ctx`, or on a context of its own), and when the
+// microphone last heard something above VOICE_DBFS.
+function startMeter(stream, ctx) {
+  const own = !ctx;
+  const context = ctx ?? new AudioContext();
+  if (own) context.resume().catch(() => null);
+  const source = context.createMediaStreamSource(stream);
+  const analyser = context.createAnalyser();
+  analyser.fftSize = 1024;
+  source.connect(analyser);
+  const buf = new Float32Array(analyser.fftSize);
+  const meter = { lastLoudAt: null, timer: null, stop: null };
+  meter.timer = setInterval(() => {
+    analyser.getFloatTimeDomainData(buf);
+    let sum = 0;
+    for (let i = 0; i < buf.length; i++) sum += buf[i] * buf[i];
+    const dbfs = 10 * Math.log10(sum / buf.length + 1e-12);
+    const level = Math.max(0, Math.min(1, (dbfs + 60) / 60));
+    ui.level.value = level;
+    pub.micLevel = Math.max(pub.micLevel, level);
+    if (dbfs > VOICE_DBFS) meter.lastLoudAt = performance.now();
+  }, METER_MS);
+  meter.stop = () => {
+    clearInterval(meter.timer);
+    source.disconnect();
+    if (own) context.close();
+    ui.level.value = 0;
+  };
+  return meter;
+}
+
+// -- the conversation and its latency ---------------------------------------------------------------
+
+// A turn at the end of the conversation: "user" or "assistant".
+function addLine(role, className = "") {
+  const el = document.createElement("p");
+  el.className = `${role} ${className}`.trim();
+  ui.conversation.appendChild(el);
+  el.scrollIntoView?.({ block: "nearest" });
+  return el;
+}
+
+// Each turn's moments (performance.now()): end of speech (or the typed turn sent), the turn ended (the
+// server's decision), the reply's first text, its first audio.
+const timings = new Map();
+
+function timing(turn) {
+  let t = timings.get(turn);
+  if (!t) {
+    t = { turn, eos: null, end: null, text: null, audio: null };
+    timings.set(turn, t);
+    if (timings.size > TIMINGS_KEPT) timings.delete(timings.keys().next().value);
+  }
+  return t;
+}
+
+function mark(turn, moment, at = performance.now()) {
+  const t = timing(turn);
+  if (t[moment] !== null) return;
+  t[moment] = at;
+  if (t.eos !== null && moment === "text") pub.eosToFirstTextMs.push(Math.round(at - t.eos));
+  if (t.eos !== null && moment === "audio") pub.eosToFirstAudioMs.push(Math.round(at - t.eos));
+  if (t.eos !== null) historyRow(t);
+  renderLatency();
+}
+
+function historyRow(t) {
+  const ms = (a, b) => (a === null || b === null ? null : Math.round(b - a));
+  const row = { turn: t.turn, waitMs: ms(t.eos, t.end), replyMs: ms(t.end, t.text), voiceMs: ms(t.text, t.audio),
+    totalMs: ms(t.eos, t.audio) };
+  const i = pub.history.findIndex((r) => r.turn === t.turn);
+  if (i >= 0) pub.history[i] = row;
+  else pub.history.push(row);
+  if (pub.history.length > HISTORY_TURNS) pub.history.shift();
+  renderHistory();
+}
+
+function renderHistory() {
+  const cell = (x) => (x === null ? "–" : `${x}`);
+  ui.history.replaceChildren(
+    ...pub.history.map((r, i) => {
+      const tr = document.createElement("tr");
+      for (const x of [i + 1, cell(r.waitMs), cell(r.replyMs), cell(r.voiceMs), cell(r.totalMs)]) {
+        const td = document.createElement("td");
+        td.textContent = x;
+        tr.appendChild(td);
+      }
+      return tr;
+    }),
+  );
+}
+
+// -- settings ---------------------------------------------------------------------------------------
+
+function wantedSettings() {
+  const saved = JSON.parse(localStorage.getItem(SETTINGS_KEY) ?? "{}");
+  return { voice: saved.voice ?? true, instructions: saved.instructions ?? "" };
+}
+
+function showSettings() {
+  const w = wantedSettings();
+  ui.voice.checked = w.voice;
+  ui.instructions.value = w.instructions;
+}
+
+// Apply: kept for the next visits, and sent to the session in progress (session.update on either transport).
+function applySettings() {
+  localStorage.setItem(
+    SETTINGS_KEY,
+    JSON.stringify({ voice: ui.voice.checked, instructions: ui.instructions.value.trim() }),
+  );
+  const s = session;
+  if (s && !s.ending && pub.state === "live") sendSettings(s, true);
+}
+
+// The settings wanted, where they differ from the session's (`always`: the instructions in any case). An
+// empty system prompt is the server's own.
+function sendSettings(s, always = false) {
+  const w = wantedSettings();
+  const current = pub.settings ?? {};
+  const instructions = w.instructions || s.defaultInstructions;
+  const update = {};
+  if (w.voice !== current.voice) update.voice = w.voice;
+  if (instructions && (always || instructions !== current.instructions)) update.instructions = instructions;
+  if (!Object.keys(update).length) return;
+  if (s.rtc) sendRtcSettings(s, update);
+  else s.ws.send(JSON.stringify({ type: "session.update", ...update }));
+}
+
+// A typed turn: it interrupts a reply in progress, and is answered.
+function say(e) {
+  e.preventDefault();
+  const s = session;
+  const text = ui.sayText.value.trim();
+  if (!s || s.ending || !text || pub.state !== "live") return;
+  ui.sayText.value = "";
+  pub.typed.push(text);
+  const el = addLine("user", "final typed");
+  el.textContent = text;
+  pub.transcriptFinal.push(text);
+  s.typedAt = performance.now();
+  setActivity("thinking");
+  if (s.rtc) return sayRtc(s, text);
+  if (s.current) {
+    s.ws.send(JSON.stringify({ type: "reply.cancel" }));
+    s.cancelledForText = true;
+  }
+  s.ws.send(JSON.stringify({ type: "user.text", text }));
 }
 
 function streamUrl(node) {
@@ -119,14 +349,7 @@ async function start() {
   if (session) return;
   ui.start.disabled = true;
   setState("starting");
-  Object.assign(pub, {
-    sessionId: null, dialog: null, transcriptFinal: [], replies: [], playedMs: 0, positionMs: 0,
-    framesSent: 0, framesDropped: 0, lastLagMs: null, maxLagMs: null, eosToFirstAudioMs: [],
-    eosToFirstTextMs: [], errors: [], closeCode: null, replyPauses: [], replyResumes: [],
-  });
-  ui.transcript.replaceChildren();
-  ui.reply.replaceChildren();
-  renderLatency();
+  resetPage("websocket");
 
   if (!navigator.mediaDevices?.getUserMedia) {
     return abortStart("The microphone needs a secure page (https, or http on localhost).");
@@ -167,7 +390,6 @@ async function start() {
     sentEnd: new Float64Array(SENT_HISTORY_FRAMES), // ring: stream sample count after frame i ...
     sentAt: new Float64Array(SENT_HISTORY_FRAMES), // ... and performance.now() when it was sent
     sentCount: 0,
-    turnEosAt: new Map(), // turn -> performance.now() when its end of speech was sent
     current: null, // the reply in progress (an entry of pub.replies)
     replyEls: new Map(), // reply number -> element
     utteranceEls: new Map(), // utterance number -> element
@@ -180,6 +402,10 @@ async function start() {
     eventSeq: 0, // last event `n` handled: a resume replays those after it, and repeats are skipped
     audioReceived: 0, // output-stream samples received
     resumeAttempts: 0,
+    meter: null, // the microphone's level (startMeter)
+    typedAt: null, // when the last typed turn was sent (its "end of speech")
+    cancelledForText: false, // a reply.cancel went out before a typed turn (a no_reply answer is no error)
+    defaultInstructions: null, // the server's system prompt (session.started)
   };
   session = s;
   pub.sampleRate = ctx.sampleRate;
@@ -192,6 +418,7 @@ async function start() {
     if (s.pending.length > PENDING_MAX_FRAMES) s.pending.shift();
   };
   s.source.connect(s.capture);
+  s.meter = startMeter(mic, ctx);
 
   setState("connecting");
   setStatus("Connecting…");
@@ -251,6 +478,20 @@ function onResumed(s, ev) {
   ev.tokens.forEach(([reply, text], i) => onReplyDelta(s, { reply, text, token_seq: ev.token_seq + i }));
 }
 
+// A new session: the page starts over (the conversation, its latency, what the page reports).
+function resetPage(transport) {
+  Object.assign(pub, {
+    transport, sessionId: null, dialog: null, transcriptFinal: [], replies: [], playedMs: 0, positionMs: 0,
+    framesSent: 0, framesDropped: 0, lastLagMs: null, maxLagMs: null, eosToFirstAudioMs: [],
+    eosToFirstTextMs: [], errors: [], closeCode: null, replyPauses: [], replyResumes: [], settings: null,
+    typed: [], history: [], micLevel: 0,
+  });
+  timings.clear();
+  ui.conversation.replaceChildren();
+  renderLatency();
+  renderHistory();
+}
+
 function abortStart(text, code) {
   fail(text, code);
   setState("error");
@@ -289,6 +530,7 @@ function interrupt() {
 }
 
 function stopMic(s) {
+  s.meter?.stop();
   s.source.disconnect();
   s.mic.getTracks().forEach((t) => t.stop());
 }
@@ -392,10 +634,17 @@ function onEvent(s, ev) {
       showFinal(s, ev);
       break;
     case "turn.ended": {
-      const at = sentTimeOf(s, ev.eos);
-      if (at !== null) s.turnEosAt.set(ev.turn, at);
+      const typed = s.typedAt !== null;
+      const at = typed ? s.typedAt : sentTimeOf(s, ev.eos);
+      s.typedAt = null;
+      if (at !== null) mark(ev.turn, "eos", at);
+      mark(ev.turn, "end");
+      setActivity("thinking");
       break;
     }
+    case "session.updated":
+      pub.settings = { instructions: ev.instructions, voice: ev.voice };
+      break;
     case "reply.started":
       onReplyStarted(s, ev);
       break;
@@ -420,6 +669,7 @@ function onEvent(s, ev) {
       setStatus("Session ended.");
       break;
     case "error":
+      if (ev.code === "no_reply" && s.cancelledForText) break; // (the reply had ended: nothing to cancel)
       pub.errors.push({ code: ev.code, message: ev.message });
       setStatus(ev.code === "overloaded" ? "The server is full. Try again in a moment." : `Server error (${ev.code}): ${ev.message}`, true);
       console.error(`duplexd server error ${ev.code}: ${ev.message}`);
@@ -446,8 +696,16 @@ function onStarted(s, ev) {
   s.player.port.onmessage = (e) => onPlayer(s, e.data);
   s.player.connect(s.ctx.destination);
   for (const block of s.pending.splice(0)) sendFrame(s, block);
+  s.defaultInstructions = ev.instructions ?? null;
+  ui.instructions.placeholder = ev.instructions ?? ui.instructions.placeholder;
+  if (pub.dialog) {
+    pub.settings = { instructions: ev.instructions, voice: ev.voice };
+    sendSettings(s);
+  }
   setState("live");
-  setStatus(pub.dialog ? "Listening. Speak, and the assistant answers." : "Listening (transcription only).");
+  setActivity("listening");
+  const via = pub.fallback ? ` (Over the WebSocket: WebRTC ${pub.fallback}.)` : "";
+  setStatus((pub.dialog ? "Listening. Speak, and the assistant answers." : "Listening (transcription only).") + via);
 }
 
 // Committed words solid, the rest of the hypothesis dim.
@@ -477,7 +735,7 @@ function showFinal(s, ev) {
     s.finalLines.set(ev.utterance, before);
     return;
   }
-  el.className = "final";
+  el.className = "user final";
   el.textContent = ev.text;
   pub.transcriptFinal.push(ev.text);
   s.finalLines.set(ev.utterance, { el, text: ev.text, index: pub.transcriptFinal.length - 1 });
@@ -487,10 +745,8 @@ function showFinal(s, ev) {
 function utteranceEl(s, n) {
   let el = s.utteranceEls.get(n);
   if (!el) {
-    el = document.createElement("p");
-    el.className = "utterance";
+    el = addLine("user", "utterance");
     el.dataset.utterance = n;
-    ui.transcript.appendChild(el);
     s.utteranceEls.set(n, el);
   }
   return el;
@@ -504,10 +760,8 @@ function onReplyStarted(s, ev) {
   };
   pub.replies.push(reply);
   s.current = reply;
-  const el = document.createElement("p");
-  el.className = "reply";
+  const el = addLine("assistant");
   el.dataset.reply = ev.reply;
-  ui.reply.appendChild(el);
   s.replyEls.set(ev.reply, el);
   s.player.port.postMessage({ type: "begin" });
   ui.interrupt.disabled = false;
@@ -524,7 +778,7 @@ function onReplyDelta(s, ev) {
   }
   if (!replyOf(ev.reply)) onReplyStarted(s, ev); // (after a resume: reply.started may follow its tokens)
   const reply = replyOf(ev.reply);
-  if (!reply.text) recordLatency(s, ev.reply, pub.eosToFirstTextMs);
+  if (!reply.text) mark(ev.reply, "text");
   reply.text += ev.text;
   reply.streamedText += ev.text;
   s.replyEls.get(ev.reply).textContent = reply.text;
@@ -567,6 +821,7 @@ function markInterrupted(s, reply, heardText) {
   el.replaceChildren(heardText === null ? reply.text : heard, struck, label);
   if (s.current === reply) s.current = null;
   ui.interrupt.disabled = true;
+  if (s.typedAt === null) setActivity("listening"); // (else a typed turn is on its way: thinking)
 }
 
 // -- audio out ------------------------------------------------------------------------------------
@@ -577,7 +832,10 @@ function onAudio(s, buf) {
   const reply = s.current;
   if (reply) {
     reply.audioFramesReceived++;
-    if (reply.audioFramesReceived === 1) recordLatency(s, reply.reply, pub.eosToFirstAudioMs);
+    if (reply.audioFramesReceived === 1) {
+      mark(reply.reply, "audio");
+      setActivity("speaking");
+    }
   }
   // PCM16 LE; every platform browsers run on is little-endian, so a plain Int16Array view reads it.
   const pcm = new Int16Array(buf, HEADER_BYTES, (buf.byteLength - HEADER_BYTES) >> 1);
@@ -593,6 +851,7 @@ function onPlayer(s, msg) {
   if (msg.type === "drained" && s.current?.done) {
     s.current = null;
     ui.interrupt.disabled = true;
+    if (s.typedAt === null) setActivity("listening");
   }
   sendPlayback(s);
   renderLatency();
@@ -609,12 +868,6 @@ function sendPlayback(s) {
 }
 
 // -- latency panel --------------------------------------------------------------------------------
-
-function recordLatency(s, turn, list) {
-  const eosAt = s.turnEosAt.get(turn);
-  if (eosAt !== undefined) list.push(Math.round(performance.now() - eosAt));
-  renderLatency();
-}
 
 function renderLatency() {
   const ms = (x) => (x === null || x === undefined ? "–" : `${Math.round(x)} ms`);
@@ -656,8 +909,13 @@ async function showHealth() {
   setStatus(`Server ${h.version} is up (${models}); ${h.sessions} active session(s). Press Start.`);
 }
 
-ui.start.onclick = start;
-ui.stop.onclick = stop;
-ui.interrupt.onclick = interrupt;
+ui.say.onsubmit = say;
+ui.apply.onclick = applySettings;
+ui.mic.onchange = switchMic;
+navigator.mediaDevices?.addEventListener?.("devicechange", listMics);
+showSettings();
+listMics();
 renderLatency();
+renderHistory();
 showHealth();
+// (rtc.js sets the Start, Stop and Interrupt buttons: it picks the transport)

@@ -4,7 +4,9 @@
 // Opus); the reply is the call's remote audio track, played by an <audio> element with the browser's jitter
 // buffer. The JSON events of /v1/realtime come and go on the `oai-events` data channel. The call is placed
 // as OpenAI's WebRTC guide places it: the SDP offer POSTed to /v1/realtime/calls, the answer in the body.
-// Uses app.js's page helpers (ui, pub, setState, setStatus, fail, openMic, checkHealth, renderLatency, ...).
+// Uses app.js's page helpers (ui, pub, setState, setActivity, setStatus, fail, openMic, startMeter, addLine,
+// mark, checkHealth, ...). The page's default: when the browser has no WebRTC, or the call is refused for a
+// reason other than the server's (auth, full) or does not connect, the page falls back to app.js's WebSocket.
 //
 // Reply tokens also come on duplexd's `eloquent` channel (unordered, no retransmissions) as Eloquent
 // packets, each carrying every token not yet acknowledged; the events channel's transcript deltas carry the
@@ -16,10 +18,35 @@
 const RTC_STATS_MS = 250; // how often the received reply audio is measured (getStats)
 const RTC_GATHER_MS = 5000; // ICE gathering (host candidates) before the offer goes out anyway
 const TOKENS_WINDOW = 1024; // tokens held past a gap (as the server's sender keeps at most this many)
+const RTC_CONNECT_MS = 10000; // a call that has not connected (session.created) by then falls back
+const LOUD_WITHIN_MS = 3000; // end of speech: the microphone's last loud moment, if this recent
+
+// `?transport=` forces one (no fallback); else the switch, WebRTC by default.
+function forcedTransport() {
+  const asked = new URLSearchParams(location.search).get("transport");
+  return ["webrtc", "websocket"].includes(asked) ? asked : null;
+}
 
 function transport() {
-  const asked = new URLSearchParams(location.search).get("transport");
-  return asked === "webrtc" || $("transport")?.value === "webrtc" ? "webrtc" : "websocket";
+  return forcedTransport() ?? ui.transport.value;
+}
+
+// WebRTC could not carry the call (`why`): the same conversation over the WebSocket, unless forced.
+function fallBack(why) {
+  pub.fallback = why;
+  ui.transport.value = "websocket";
+  console.warn(`duplexd: WebRTC: ${why}; using the WebSocket`);
+  return start(); // (its status says so once it listens)
+}
+
+function placeCall() {
+  pub.fallback = null;
+  if (transport() === "websocket") return start();
+  if (!window.RTCPeerConnection) {
+    if (forcedTransport()) return abortStart("This browser has no WebRTC.", "no_webrtc");
+    return fallBack("is not available in this browser");
+  }
+  return startRtc();
 }
 
 function callsUrl(path = "") {
@@ -35,19 +62,16 @@ async function startRtc() {
   if (session) return;
   ui.start.disabled = true;
   setState("starting");
+  resetPage("webrtc");
   Object.assign(pub, {
-    transport: "webrtc", sessionId: null, dialog: null, transcriptFinal: [], replies: [], playedMs: 0,
-    eosToFirstAudioMs: [], eosToFirstTextMs: [], errors: [], closeCode: null, callId: null,
+    callId: null,
     rtc: {
       audioEnergy: 0, samplesReceived: 0, loudSince: null, bufferEvents: [],
       tokens: [], eloquentMessages: 0, eloquentDropped: 0, // tokens: [seq, "eloquent" | "events"], in order
     },
   });
-  ui.transcript.replaceChildren();
-  ui.reply.replaceChildren();
-  renderLatency();
-  if (!navigator.mediaDevices?.getUserMedia || !window.RTCPeerConnection) {
-    return abortStart("WebRTC and the microphone need a browser that has them, on a secure page.");
+  if (!navigator.mediaDevices?.getUserMedia) {
+    return abortStart("The microphone needs a secure page (https, or http on localhost).");
   }
   if (!(await checkHealth())) return abortStart("The server is unreachable.", "unreachable");
   const mic = await openMic();
@@ -58,6 +82,7 @@ async function startRtc() {
     current: null, replyEls: new Map(), userEl: null, speechStoppedAt: null, responseAt: null,
     tokens: null, contiguous: 0, highestPacket: 0, held: new Map(), ready: [],
     drop: Number(new URLSearchParams(location.search).get("drop") ?? 0),
+    meter: startMeter(mic, null), typedAt: null, speaking: false, defaultInstructions: null, connectTimer: null,
   };
   session = s;
   s.audio.autoplay = true;
@@ -66,7 +91,12 @@ async function startRtc() {
     s.audio.srcObject = e.streams[0] ?? new MediaStream([e.track]);
   };
   pc.onconnectionstatechange = () => {
-    if (["failed", "closed"].includes(pc.connectionState) && !s.ending) endRtc(s, `connection ${pc.connectionState}`);
+    if (!["failed", "closed"].includes(pc.connectionState) || s.ending) return;
+    if (!s.started && !forcedTransport()) {
+      teardownRtc(s);
+      return fallBack(`did not connect (${pc.connectionState})`);
+    }
+    endRtc(s, `connection ${pc.connectionState}`);
   };
   s.channel = pc.createDataChannel("oai-events");
   s.channel.onmessage = (m) => onRtcEvent(s, JSON.parse(m.data));
@@ -88,14 +118,26 @@ async function startRtc() {
     });
     if (!r.ok) {
       const body = await r.json().catch(() => ({}));
-      throw new Error(body.error?.message ?? `HTTP ${r.status}`);
+      const e = new Error(body.error?.message ?? `HTTP ${r.status}`);
+      e.status = r.status;
+      throw e;
     }
     pub.callId = (r.headers.get("Location") ?? "").split("/").pop() || null;
     await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
   } catch (e) {
     teardownRtc(s);
-    return abortStart(`The call could not be placed: ${e.message}`, "call_refused");
+    // The server's own refusals (a key, a full server, too many calls) would refuse a WebSocket too.
+    if (forcedTransport() || [401, 403, 429, 503].includes(e.status)) {
+      return abortStart(`The call could not be placed: ${e.message}`, "call_refused");
+    }
+    return fallBack(`could not place the call (${e.message})`);
   }
+  s.connectTimer = setTimeout(() => {
+    if (s.started || s.ending) return;
+    teardownRtc(s);
+    if (forcedTransport()) return abortStart("The call did not connect.", "call_failed");
+    fallBack(`did not connect within ${RTC_CONNECT_MS / 1000} s`);
+  }, RTC_CONNECT_MS);
   s.statsTimer = setInterval(() => measureRtc(s), RTC_STATS_MS);
   ui.stop.disabled = false;
 }
@@ -121,10 +163,9 @@ async function measureRtc(s) {
     const loud = (r.totalAudioEnergy ?? 0) > pub.rtc.audioEnergy + 1e-4;
     pub.rtc.audioEnergy = r.totalAudioEnergy ?? 0;
     pub.rtc.samplesReceived = r.totalSamplesReceived ?? 0;
-    if (loud && s.responseAt !== null && pub.rtc.loudSince === null) {
+    if (loud && s.responseAt !== null && pub.rtc.loudSince === null && s.current) {
       pub.rtc.loudSince = performance.now();
-      if (s.speechStoppedAt !== null) pub.eosToFirstAudioMs.push(Math.round(pub.rtc.loudSince - s.speechStoppedAt));
-      renderLatency();
+      mark(s.current.reply, "audio", pub.rtc.loudSince);
     }
   });
 }
@@ -133,26 +174,44 @@ function onRtcEvent(s, ev) {
   switch (ev.type) {
     case "session.created":
       s.started = true;
+      clearTimeout(s.connectTimer);
       pub.sessionId = ev.session.id;
       pub.dialog = true;
+      s.defaultInstructions = ev.session.instructions ?? null;
+      ui.instructions.placeholder = ev.session.instructions ?? ui.instructions.placeholder;
+      onRtcSettings(ev.session);
+      sendSettings(s);
       setState("live");
+      setActivity("listening");
       setStatus("Listening. Speak, and the assistant answers.");
+      break;
+    case "session.updated":
+      onRtcSettings(ev.session);
       break;
     case "input_audio_buffer.speech_started":
       document.body.classList.add("hearing");
       break;
-    case "input_audio_buffer.speech_stopped":
+    case "input_audio_buffer.speech_stopped": {
       document.body.classList.remove("hearing");
-      s.speechStoppedAt = performance.now();
+      // End of speech on the page's clock: the microphone's last loud moment (the event itself comes after
+      // the server's VAD has heard enough silence).
+      const now = performance.now();
+      const loud = s.meter?.lastLoudAt;
+      s.speechStoppedAt = loud !== null && loud !== undefined && now - loud < LOUD_WITHIN_MS ? loud : now;
+      break;
+    }
+    case "input_audio_buffer.committed":
+      setActivity("thinking");
       break;
     case "conversation.item.input_audio_transcription.delta":
       userLine(s).textContent += ev.delta;
       break;
     case "conversation.item.input_audio_transcription.completed": {
       const el = userLine(s);
-      el.className = "final";
+      el.className = "user final";
       el.textContent = ev.transcript;
-      pub.transcriptFinal.push(ev.transcript);
+      if (!ev.transcript.trim()) el.remove();
+      else pub.transcriptFinal.push(ev.transcript);
       s.userEl = null;
       break;
     }
@@ -162,10 +221,13 @@ function onRtcEvent(s, ev) {
       s.current = reply;
       s.responseAt = performance.now();
       pub.rtc.loudSince = null;
-      const el = document.createElement("p");
-      el.className = "reply";
-      ui.reply.appendChild(el);
-      s.replyEls.set(reply.reply, el);
+      const eos = s.typedAt ?? s.speechStoppedAt;
+      if (eos !== null) mark(reply.reply, "eos", eos);
+      mark(reply.reply, "end", s.responseAt);
+      s.typedAt = null;
+      s.speechStoppedAt = null;
+      s.replyEls.set(reply.reply, addLine("assistant"));
+      setActivity("thinking");
       ui.interrupt.disabled = false;
       renderTokens(s); // (tokens of this reply the eloquent channel brought before the event)
       break;
@@ -182,7 +244,7 @@ function onRtcEvent(s, ev) {
     case "response.done": {
       const reply = pub.replies.findLast((r) => r.reply === ev.response.id);
       if (!reply) break;
-      const heard = ev.response.output?.[0]?.content?.[0]?.transcript ?? reply.text;
+      const heard = ev.response.output?.[0]?.content?.[0]?.transcript ?? ev.response.output?.[0]?.content?.[0]?.text ?? reply.text;
       reply.done = true;
       if (ev.response.status === "cancelled") {
         markInterrupted(s, reply, heard); // (what was heard, then the rest struck through)
@@ -190,16 +252,27 @@ function onRtcEvent(s, ev) {
         reply.text = heard;
         s.replyEls.get(reply.reply).textContent = heard;
       }
+      if (!s.speaking && s.current === reply) {
+        s.current = null; // (text only, or cut before its audio began)
+        ui.interrupt.disabled = true;
+        if (s.typedAt === null) setActivity("listening");
+      }
       break;
     }
     case "output_audio_buffer.started":
+      pub.rtc.bufferEvents.push("started");
+      s.speaking = true;
+      setActivity("speaking");
+      break;
     case "output_audio_buffer.stopped":
     case "output_audio_buffer.cleared":
       pub.rtc.bufferEvents.push(ev.type.split(".")[1]);
-      if (ev.type !== "output_audio_buffer.started" && s.current?.reply === ev.response_id) {
+      s.speaking = false;
+      if (s.current?.reply === ev.response_id) {
         s.current = null;
         ui.interrupt.disabled = true;
       }
+      if (s.typedAt === null) setActivity("listening");
       break;
     case "error":
       pub.errors.push({ code: ev.error?.code, message: ev.error?.message });
@@ -209,6 +282,28 @@ function onRtcEvent(s, ev) {
     default:
       break;
   }
+}
+
+function onRtcSettings(session) {
+  pub.settings = { instructions: session.instructions, voice: (session.output_modalities ?? ["audio"]).includes("audio") };
+}
+
+// The page's settings as a Realtime session.update.
+function sendRtcSettings(s, update) {
+  const session = { type: "realtime" };
+  if (update.instructions !== undefined) session.instructions = update.instructions;
+  if (update.voice !== undefined) session.output_modalities = update.voice ? ["audio"] : ["text"];
+  s.channel.send(JSON.stringify({ type: "session.update", session }));
+}
+
+// A typed turn, as a Realtime client sends one: a user message, then response.create; a reply in progress
+// is stopped first.
+function sayRtc(s, text) {
+  if (s.channel?.readyState !== "open") return;
+  if (s.current || s.speaking) s.channel.send(JSON.stringify({ type: "output_audio_buffer.clear" }));
+  const item = { type: "message", role: "user", content: [{ type: "input_text", text }] };
+  s.channel.send(JSON.stringify({ type: "conversation.item.create", item }));
+  s.channel.send(JSON.stringify({ type: "response.create" }));
 }
 
 // -- reply tokens from two channels ------------------------------------------------------------------
@@ -265,19 +360,14 @@ function renderTokens(s) {
 function showToken(s, text) {
   const reply = s.current;
   if (!reply) return;
-  if (!reply.text && s.speechStoppedAt !== null) pub.eosToFirstTextMs.push(Math.round(performance.now() - s.speechStoppedAt));
+  if (!reply.text) mark(reply.reply, "text");
   reply.text += text;
   reply.streamedText += text;
   s.replyEls.get(reply.reply).textContent = reply.text;
-  renderLatency();
 }
 
 function userLine(s) {
-  if (!s.userEl) {
-    s.userEl = document.createElement("p");
-    s.userEl.className = "partial";
-    ui.transcript.appendChild(s.userEl);
-  }
+  s.userEl ??= addLine("user", "partial");
   return s.userEl;
 }
 
@@ -311,6 +401,8 @@ function endRtc(s, why) {
 function teardownRtc(s) {
   s.ending = true;
   clearInterval(s.statsTimer);
+  clearTimeout(s.connectTimer);
+  s.meter?.stop();
   s.mic.getTracks().forEach((t) => t.stop());
   s.pc.close();
   s.audio.srcObject = null;
@@ -320,7 +412,7 @@ function teardownRtc(s) {
   ui.interrupt.disabled = true;
 }
 
-ui.start.onclick = () => (transport() === "webrtc" ? startRtc() : start());
+ui.start.onclick = placeCall;
 ui.stop.onclick = () => (session?.rtc ? stopRtc() : stop());
 ui.interrupt.onclick = () => (session?.rtc ? interruptRtc() : interrupt());
-if ($("transport") && new URLSearchParams(location.search).get("transport") === "webrtc") $("transport").value = "webrtc";
+if (forcedTransport()) ui.transport.value = forcedTransport();
