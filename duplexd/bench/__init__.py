@@ -10,7 +10,8 @@ from typing import Any
 
 
 def write_result(out: Path, result: dict[str, Any], table: str) -> None:
-    """A benchmark's end: its JSON to `out`, its short table to the terminal."""
+    """A benchmark's end: its JSON to `out` (its folder made if need be), its short table to the terminal."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(table)
     print(f"wrote {out}")

@@ -109,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
     engine = DialogEngine.load(EngineConfig(threads=2))
     rows = measure(engine)
     out = {"machine": machine_info(), "model": engine.config.model, "repeats": REPEATS, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(table(rows))
     return 0

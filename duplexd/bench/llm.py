@@ -655,6 +655,7 @@ def run_llm_bench(out: Path, quick: bool, threads: int = THREADS, device_name: s
         skipped=skipped,
         phases=phases,
     )
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     print(f"wrote {out}")
