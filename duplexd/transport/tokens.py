@@ -3,8 +3,8 @@
 Every token is numbered and kept by the Eloquent sender until acknowledged (`ack.token_seq` over the
 WebSocket, or a datagram ack), so a resume can send again what a dead socket swallowed. Over the WebSocket a
 token goes once (reliable and ordered: redundancy would add bytes, not robustness). Over the datagram path,
-when the client opened one, each new token goes as an Eloquent packet carrying every unacknowledged token,
-and while no new token comes the unacknowledged ones go again after an RTO (`run`). A WebRTC call's
+when the client opened one, each new token goes as an Eloquent packet carrying the unacknowledged tokens
+that still need copies, and the sender's timers (its 5 ms repeat, the RTO) run in `run`. A WebRTC call's
 unreliable data channel (`open_channel`) carries the same packets, without the datagram's header and MAC:
 the channel is inside the call's DTLS.
 """
@@ -114,7 +114,7 @@ class ReplyTokens:
                 self._channel(encode_tokens(packet))
 
     async def run(self) -> None:
-        """Eloquent's tail: when no new token comes, the unacknowledged ones go again after an RTO."""
+        """Eloquent's timers: a packet's repeat 5 ms later, and the unacknowledged tokens after an RTO."""
         while True:
             due = self.sender.next_timer() if self.redundant else None
             self._wake.clear()

@@ -133,7 +133,7 @@ def test_once_the_path_is_clean_every_scheme_delivers_everything(scheme: str, st
     assert net.sender.unacked == 0
 
 
-def test_eloquent_carries_every_unacknowledged_token() -> None:
+def test_eloquent_carries_every_unacknowledged_token_until_it_went_twice() -> None:
     s = Eloquent()
     (p1,) = s.push(1, ["Hello"], now=0.0)
     (p2,) = s.push(1, [" there"], now=0.05)
@@ -141,6 +141,8 @@ def test_eloquent_carries_every_unacknowledged_token() -> None:
     s.ack(Ack(1, p1.number), now=0.06)
     (p3,) = s.push(1, ["!"], now=0.1)
     assert [(t.seq, t.text) for t in p3.tokens] == [(2, " there"), (3, "!")]
+    (p4,) = s.push(1, ["?"], now=0.12)
+    assert [t.text for t in p4.tokens] == ["!", "?"]  # (" there" went out twice, and is not suspect)
     r = Receiver()
     assert [t.text for t in r.receive(p3)] == []  # token 1 missing: nothing renders past the gap
     assert [t.text for t in r.receive(p2)] == ["Hello", " there", "!"]
@@ -172,8 +174,9 @@ def test_the_bound_forgets_the_oldest_and_the_receiver_stops_at_the_gap() -> Non
     r = Receiver()
     packets = [s.push(1, [w], now=0.0)[0] for w in "abcde"]
     assert s.unacked == 3 and s.stats.evicted == 2 and s.evicted_through == 2
-    assert [t.text for t in packets[-1].tokens] == ["c", "d", "e"]
-    assert r.receive(packets[-1]) == []  # a and b were lost for good: the prefix cannot grow past them
+    (tail,) = s.poll(10.0)  # (the timeout: every unacknowledged token)
+    assert [t.text for t in tail.tokens] == ["c", "d", "e"]
+    assert r.receive(tail) == []  # a and b were lost for good: the prefix cannot grow past them
     assert r.receive(packets[0]) == [Token(1, 1, "a")]
 
 
@@ -181,7 +184,9 @@ def test_a_packet_never_exceeds_the_packet_size_and_carries_the_oldest_first() -
     s = Eloquent(SenderConfig(max_packet_bytes=64))
     for i in range(10):
         (p,) = s.push(1, [f"word{i}"], now=0.0)
-        assert p.size_bytes <= 64 and p.first_seq == 1
+        assert p.size_bytes <= 64
+    (tail,) = s.poll(10.0)
+    assert tail.size_bytes <= 64 and tail.first_seq == 1
 
 
 def test_acks_beyond_what_was_sent_are_clamped() -> None:
@@ -198,5 +203,82 @@ def test_config_is_validated() -> None:
         SenderConfig(max_tokens=0)
     with pytest.raises(ValueError, match="RTO"):
         SenderConfig(min_rto_s=1.0, initial_rto_s=0.5)
+    with pytest.raises(ValueError, match="repeat_after_s"):
+        SenderConfig(repeat_after_s=0.01)  # (not below min_rto_s)
+    with pytest.raises(ValueError, match="repeat_clean_packets"):
+        SenderConfig(repeat_clean_packets=-1)
     with pytest.raises(ValueError, match="unknown transport scheme"):
         make_sender("carrier-pigeon")
+
+
+def test_eloquent_repeats_the_newest_packet_unless_a_newer_one_goes_first() -> None:
+    s = Eloquent(SenderConfig(repeat_after_s=0.005))
+    (p1,) = s.push(1, ["a"], now=0.0)
+    assert s.next_timer() == pytest.approx(0.005)
+    assert s.poll(0.004) == []
+    (again,) = s.poll(0.005)
+    assert again.tokens == p1.tokens and again.number > p1.number and s.stats.repeats == 1
+    assert s.poll(0.006) == [] and s.next_timer() == pytest.approx(0.005 + s.rtt.rto_s)  # (once: then the RTO)
+    (p2,) = s.push(1, ["b"], now=0.05)
+    assert [t.text for t in p2.tokens] == ["b"]  # (a, unacknowledged, went out twice and is not suspect yet)
+    (p3,) = s.push(1, ["c"], now=0.052)  # before b's packet went again: c's packet carries b, and goes again
+    (last,) = s.poll(0.057)
+    assert [t.text for t in p3.tokens] == ["b", "c"] and s.stats.repeats == 2
+    assert [t.text for t in last.tokens] == ["c"]  # (b has gone out twice)
+    (p4,) = s.push(1, ["d"], now=0.3)  # a is suspect now (one RTO since it last went out): the packet has it
+    assert [t.text for t in p4.tokens] == ["a", "b", "c", "d"]
+    s.ack(Ack(4, p4.number), now=0.302)  # everything acknowledged before the repeat: nothing goes again
+    assert s.poll(0.31) == [] and s.next_timer() is None
+
+
+def test_eloquent_stops_repeating_on_a_clean_path_and_starts_again_at_a_loss() -> None:
+    s = Eloquent(SenderConfig(repeat_clean_packets=3))
+    r = Receiver()
+    now = 0.0
+    for word in "abc":  # each packet arrives and is acknowledged at once
+        (p,) = s.push(1, [word], now)
+        r.receive(p)
+        s.ack(r.ack(), now + 0.001)
+        now += 0.1
+    assert not s.repeating and s.stats.repeats == 0
+    s.push(1, ["d"], now)  # lost, and not repeated: the path had shown no loss
+    assert s.next_timer() == pytest.approx(now + s.rtt.rto_s)
+    (p,) = s.push(1, ["e"], now + 0.05)
+    r.receive(p)
+    s.ack(r.ack(), now + 0.06)  # the ack names a later packet than d's: d's was lost
+    assert s.repeating and r.contiguous == 5
+    s.push(1, ["f"], now + 0.1)
+    assert len(s.poll(now + 0.105)) == 1 and s.stats.repeats == 1
+
+
+def test_eloquent_never_repeats_with_repeats_off() -> None:
+    s = Eloquent(SenderConfig(repeat_after_s=0))
+    s.push(1, ["a"], now=0.0)
+    assert not s.repeating and s.poll(0.01) == [] and s.next_timer() == pytest.approx(s.rtt.rto_s)
+
+
+def test_eloquent_sends_more_copies_the_more_the_path_loses() -> None:
+    s = Eloquent()
+    assert s.token_copies == 2 and s.loss == 0.0
+    now = 0.0
+    for i in range(64):  # every other packet (or its ack) lost: the acks name every other packet
+        (p,) = s.push(1, [f"w{i}"], now)
+        if i % 2:
+            s.ack(Ack(s.last_seq, p.number), now + 0.001)
+        now += 0.1
+    assert s.loss > 0.25 and s.token_copies == 4
+    (first,) = s.push(1, ["x"], now)
+    (repeat,) = s.poll(now + 0.005)
+    (second,) = s.push(1, ["y"], now + 0.02)
+    (third,) = s.push(1, ["z"], now + 0.04)
+    assert [[t.text for t in p.tokens] for p in (first, repeat, second, third)] == [
+        ["x"],
+        ["x"],
+        ["x", "y"],  # x's third and fourth copies ride in the next tokens' packets
+        ["x", "y", "z"],
+    ]
+    for _ in range(100):  # a clean path again: the estimate decays, the copies come down to two
+        (p,) = s.push(1, ["w"], now)
+        s.ack(Ack(s.last_seq, p.number), now + 0.001)
+        now += 0.1
+    assert s.loss < 0.05 and s.token_copies == 2

@@ -9,8 +9,8 @@
 // reason other than the server's (auth, full) or does not connect, the page falls back to app.js's WebSocket.
 //
 // Reply tokens also come on duplexd's `eloquent` channel (unordered, no retransmissions) as Eloquent
-// packets, each carrying every token not yet acknowledged; the events channel's transcript deltas carry the
-// same `token_seq`. The page shows each token once, in order, from whichever channel brings it first, and
+// packets, each carrying the tokens not yet acknowledged (transport/packetizer.py); the events channel's
+// transcript deltas carry the same `token_seq`. The page shows each token once, in order, from whichever channel brings it first, and
 // acknowledges on the `eloquent` channel. `?drop=0.3` discards that share of its packets on arrival (a test
 // of the merge, as a lossy network would).
 "use strict";
