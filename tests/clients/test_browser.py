@@ -391,3 +391,47 @@ async def test_the_page_falls_back_to_the_websocket_without_webrtc(
     assert "WebSocket" in status and state["framesSent"] > 50, status
     assert srv.server.counters["calls"] == 0 and state["errors"] == [], state
     assert [p for p in problems if "WebRTC" not in p] == [], problems
+
+
+async def test_the_microphone_picker_moves_the_call_to_another_device(
+    make_server, fake_mic_wav: Path, tmp_path: Path
+) -> None:
+    """Chromium's fake microphones, several of them: the picker lists them, and choosing another during the
+    call replaces the call's microphone track (`RTCRtpSender.replaceTrack`); the new device plays the
+    recording again from its start, and the server hears it as a second question."""
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
+    srv = await make_server()
+    async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
+        await page.navigate(srv.http + "/")
+        await _wait(
+            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
+        )
+        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'live'", 30, "the call did not start")
+        await _wait(
+            page, f"/dark suit|greasy/i.test({FINAL_TRANSCRIPT_JS})", TRANSCRIPT_TIMEOUT_S, "no final transcript"
+        )
+        mics = await page.evaluate("window.duplexd.mics")
+        assert mics >= 2, f"Chromium listed {mics} fake microphone(s)"
+        chosen = await page.evaluate(
+            "(s => { s.value = s.options[s.options.length - 1].value; s.dispatchEvent(new Event('change'));"
+            " return s.value; })(document.querySelector('#mic'))"
+        )
+        await _wait(
+            page,
+            "window.duplexd.transcriptFinal.filter(t => /dark suit|greasy/i.test(t)).length >= 2",
+            TRANSCRIPT_TIMEOUT_S,
+            "the other microphone was not heard",
+        )
+        kept = await page.evaluate("localStorage.getItem('duplexd.mic')")
+        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
+        await _wait(page, "window.duplexd.state === 'ended'", 30, "the call did not end cleanly")
+        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
+        problems = list(page.problems)
+
+    assert chosen and kept == chosen, (chosen, kept)
+    assert state["transport"] == "webrtc" and srv.server.counters["calls"] == 1, state
+    assert state["errors"] == [], state["errors"]
+    assert problems == [], problems
