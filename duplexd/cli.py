@@ -492,6 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unbounded-window", type=int, default=2044, help="collapse: slot rows of the unbounded baseline")
     p.add_argument("--timeout", type=float, default=120.0, help="collapse: a run not done by then collapsed")
     p.add_argument("--replicates", type=int, default=3, help="transport: loss seeds per reply stream")
+    p.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=None,
+        help="transport: replay the replies at this even pace (a loaded server) instead of as they were decoded",
+    )
     p.add_argument("--fuzz-messages", type=int, default=10_000, help="chaos: fuzzed messages over both endpoints")
     p.add_argument("--cycles", type=int, default=1000, help="chaos: abrupt disconnect/resume cycles")
     p.add_argument("--soak-s", type=float, default=600.0, help="chaos: soak length at --n-star sessions (0: none)")

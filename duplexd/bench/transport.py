@@ -434,6 +434,9 @@ def main(args: argparse.Namespace) -> int:
     config = SenderConfig(max_packet_bytes=dg.MAX_PAYLOAD_BYTES - 64)
     log.info("recording %d real replies with the dialog engine", len(questions))
     streams = record_replies(questions, max_tokens=1000)
+    if args.tokens_per_s:  # (the same tokens at an even, slower or faster pace)
+        pace = args.tokens_per_s
+        streams = [TokenStream(s.question, s.texts, tuple(i / pace for i in range(len(s.texts)))) for s in streams]
     t0 = time.monotonic()
     replicates = 1 if args.quick else args.replicates
     conditions = asyncio.run(run_bench(streams, losses, rtts, config, replicates))
@@ -442,6 +445,7 @@ def main(args: argparse.Namespace) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "grace_s": GRACE_S,
         "replicates": replicates,
+        "tokens_per_s": args.tokens_per_s,  # (None: as decoded)
         "sender": asdict(config),
         "streams": [
             {
