@@ -89,3 +89,30 @@ async def test_typed_turns_need_a_dialog(make_server) -> None:
             assert err["code"] == "no_dialog"
         await ws.send(json.dumps({"type": "session.end"}))
         await _until(ws, "session.ended")
+
+
+async def test_a_typed_turn_after_reply_cancel_talks_over_the_reply(make_server) -> None:
+    """What the page's text box does while the assistant speaks: `reply.cancel`, then `user.text` at once;
+    the reply stops there and the typed turn is answered, with no error."""
+    srv = await make_server()
+    async with connect(srv.url) as ws:
+        await ws.send(json.dumps({"type": "session.start", "version": 1, "sample_rate": 16000}))
+        await _until(ws, "session.started")
+        await ws.send(json.dumps({"type": "user.text", "text": "Tell me about the moon."}))
+        first, _ = await _until(ws, "reply.started")
+        await ws.send(json.dumps({"type": "reply.cancel"}))
+        await ws.send(json.dumps({"type": "user.text", "text": QUESTION}))
+        seen: list[dict] = []
+        while not seen or seen[-1]["type"] != "reply.done":
+            msg = await asyncio.wait_for(ws.recv(), 60)
+            if isinstance(msg, str):
+                seen.append(json.loads(msg))
+        await ws.send(json.dumps({"type": "session.end"}))
+        await _until(ws, "session.ended")
+    kinds = [e["type"] for e in seen]
+    assert "error" not in kinds, seen
+    stopped = next(e for e in seen if e["type"] == "reply.interrupted")
+    turn = next(e for e in seen if e["type"] == "turn.ended")
+    assert stopped["reply"] == first["reply"] and stopped["reason"] == "cancel", stopped
+    assert turn["text"] == QUESTION and seen[-1]["reply"] == turn["turn"] and seen[-1]["text"].strip(), seen
+    assert kinds.index("reply.interrupted") < kinds.index("turn.ended"), kinds
