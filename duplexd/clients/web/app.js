@@ -132,16 +132,20 @@ function micErrorText(e) {
 // gain control (null: refused, and the page says why).
 async function openMic() {
   setStatus("Asking for the microphone…");
-  const audio = { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 };
-  if (ui.mic.value) audio.deviceId = { exact: ui.mic.value };
   try {
-    const mic = await navigator.mediaDevices.getUserMedia({ audio });
+    const mic = await navigator.mediaDevices.getUserMedia({ audio: micConstraints() });
     listMics(); // (their names are known once the page may use one)
     return mic;
   } catch (e) {
     abortStart(micErrorText(e), "mic_refused");
     return null;
   }
+}
+
+function micConstraints() {
+  const audio = { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 };
+  if (ui.mic.value) audio.deviceId = { exact: ui.mic.value };
+  return audio;
 }
 
 // The device picker: every microphone the browser lists, the choice kept across visits.
@@ -162,11 +166,9 @@ async function switchMic() {
   localStorage.setItem("duplexd.mic", ui.mic.value);
   const s = session;
   if (!s || s.ending || !s.mic) return;
-  const audio = { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 };
-  if (ui.mic.value) audio.deviceId = { exact: ui.mic.value };
   let mic;
   try {
-    mic = await navigator.mediaDevices.getUserMedia({ audio });
+    mic = await navigator.mediaDevices.getUserMedia({ audio: micConstraints() });
   } catch (e) {
     return fail(micErrorText(e), "mic_refused");
   }
