@@ -31,10 +31,6 @@ TRANSCRIPT_TIMEOUT_S = 60
 REPLY_TIMEOUT_S = 90  # model loading and CPU-only LLM + TTS
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium", path="/usr/bin")
-
-
 @pytest.fixture
 def fake_mic_wav(clip_by_name: dict[str, Clip], tmp_path: Path) -> Path:
     """The recording as Chromium's fake microphone plays it: 16-bit mono 48 kHz, padded with silence."""
@@ -86,21 +82,40 @@ async def _wait(page: Page, expression: str, timeout_s: float, what: str) -> obj
         pytest.fail(f"{what} within {timeout_s} s\n{await _snapshot(page)}")
 
 
-async def test_voice_conversation_in_chromium(make_server, fake_mic_wav: Path, tmp_path: Path) -> None:
-    chromium = _chromium()
-    if chromium is None:
+@pytest.fixture
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium", path="/usr/bin")
+    if path is None:
         pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
+    return path
+
+
+async def _start(page: Page, url: str, what: str) -> None:
+    """Open the page at `url`, wait until it has reached the server's /healthz, press Start, wait until live
+    (`what`: the failure message)."""
+    await page.navigate(url)
+    await _wait(
+        page,
+        "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)",
+        20,
+        "the page did not load or did not reach the server's /healthz",
+    )
+    await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
+    await _wait(page, "window.duplexd.state === 'live'", 30, what)
+
+
+async def _stop(page: Page, what: str) -> tuple[dict, list]:
+    """Press Stop, wait until the session has ended (`what`: the failure message); the page's final state and
+    the JavaScript problems it reported."""
+    await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
+    await _wait(page, "window.duplexd.state === 'ended'", 30, what)
+    return json.loads(await page.evaluate("JSON.stringify(window.duplexd)")), list(page.problems)
+
+
+async def test_voice_conversation_in_chromium(make_server, chromium: str, fake_mic_wav: Path, tmp_path: Path) -> None:
     srv = await make_server()
     async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
-        await page.navigate(srv.http + "/?transport=websocket")
-        await _wait(
-            page,
-            "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)",
-            20,
-            "the page did not load or did not reach the server's /healthz",
-        )
-        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'live'", 30, "the session did not start")
+        await _start(page, srv.http + "/?transport=websocket", "the session did not start")
 
         # The live transcript: a final line with the clip's words (Whisper tiny may miss one of them).
         await _wait(
@@ -122,10 +137,7 @@ async def test_voice_conversation_in_chromium(make_server, fake_mic_wav: Path, t
         # Settings (text-only replies: session.update), then a typed turn (user.text).
         typed = await _typed_turn_without_voice(page)
 
-        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'ended'", 30, "the session did not end cleanly")
-        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
-        problems = list(page.problems)
+        state, problems = await _stop(page, "the session did not end cleanly")
 
     assert state["closeCode"] == 1000
     assert state["framesSent"] > 100 and state["lastLagMs"] is not None, state
@@ -199,19 +211,11 @@ STORYTELLER = sc.storyteller(max_reply_tokens=40, speed=0.7)  # (~12 s of speech
 
 
 async def test_the_page_resumes_the_session_when_its_connection_drops(
-    make_server, fake_mic_wav: Path, tmp_path: Path
+    make_server, chromium: str, fake_mic_wav: Path, tmp_path: Path
 ) -> None:
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server(STORYTELLER)
     async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
-        await page.navigate(srv.http + "/?transport=websocket")
-        await _wait(
-            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
-        )
-        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'live'", 30, "the session did not start")
+        await _start(page, srv.http + "/?transport=websocket", "the session did not start")
         # Mid-reply (text shown, audio playing), the network drops: the TCP connection dies without a close.
         await _wait(
             page,
@@ -224,10 +228,7 @@ async def test_the_page_resumes_the_session_when_its_connection_drops(
         handle.link.abort()  # (the socket dies: no closing handshake)
         await _wait(page, "window.duplexd.resumes === 1 && window.duplexd.state === 'live'", 30, "no resume")
         reply = await _wait(page, REPLY_PLAYED_JS, REPLY_TIMEOUT_S, "the reply did not finish after the resume")
-        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'ended'", 30, "the session did not end cleanly")
-        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
-        problems = list(page.problems)
+        state, problems = await _stop(page, "the session did not end cleanly")
 
     assert srv.server.counters["resumed"] == 1 and state["closeCode"] == 1000
     # The text streamed token by token across the drop is the whole reply, nothing lost or shown twice ...
@@ -261,21 +262,13 @@ def mic_with_backchannels(clip_by_name: dict[str, Clip], tmp_path: Path) -> Path
 
 
 async def test_a_backchannel_pauses_the_reply_in_the_page_and_it_plays_on(
-    make_server, mic_with_backchannels: Path, tmp_path: Path
+    make_server, chromium: str, mic_with_backchannels: Path, tmp_path: Path
 ) -> None:
     """Speech over the reply pauses the page's player at once (`reply.paused`); "okay, okay" is no
     interruption, so the reply resumes (`reply.resumed`) and plays to its end, every sample of it."""
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server(sc.storyteller(max_reply_tokens=60, speed=0.7))
     async with launch_chromium(chromium, tmp_path, mic_with_backchannels) as page:
-        await page.navigate(srv.http + "/?transport=websocket")
-        await _wait(
-            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
-        )
-        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'live'", 30, "the session did not start")
+        await _start(page, srv.http + "/?transport=websocket", "the session did not start")
         await _wait(page, "window.duplexd.replyPauses.length > 0", REPLY_TIMEOUT_S, "the backchannel paused nothing")
         # Paused: the player holds (what it has played does not move) until the reply resumes.
         held_at = await page.evaluate("window.duplexd.playedMs")
@@ -283,10 +276,7 @@ async def test_a_backchannel_pauses_the_reply_in_the_page_and_it_plays_on(
         still = await page.evaluate("window.duplexd.replyResumes.length === 0 ? window.duplexd.playedMs : null")
         await _wait(page, "window.duplexd.replyResumes.length > 0", 30, "the paused reply did not resume")
         reply = await _wait(page, REPLY_PLAYED_JS, REPLY_TIMEOUT_S, "the resumed reply did not play to its end")
-        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'ended'", 30, "the session did not end cleanly")
-        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
-        problems = list(page.problems)
+        state, problems = await _stop(page, "the session did not end cleanly")
 
     if still is not None:  # (not resumed within those 0.3 s)
         assert still == pytest.approx(held_at, abs=1.0), (held_at, still)
@@ -300,23 +290,17 @@ async def test_a_backchannel_pauses_the_reply_in_the_page_and_it_plays_on(
     assert problems == [], problems
 
 
-async def test_a_spoken_turn_over_webrtc_in_chromium(make_server, fake_mic_wav: Path, tmp_path: Path) -> None:
+async def test_a_spoken_turn_over_webrtc_in_chromium(
+    make_server, chromium: str, fake_mic_wav: Path, tmp_path: Path
+) -> None:
     """The page's default, WebRTC, against the server's `/v1/realtime/calls`: Chromium's own WebRTC stack (its
     audio processing, Opus, ICE, SCTP) places the call; the transcript and the reply's text arrive on the
     `oai-events` channel, and the reply's audio on the call's track (its energy measured by the page). The
     reply's tokens also come on the `eloquent` channel, of which the page drops half (`?drop=0.5`): it still
     shows every token once, in order. Then the settings and a typed turn, as Realtime events."""
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server()
     async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
-        await page.navigate(srv.http + "/?drop=0.5")
-        await _wait(
-            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
-        )
-        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'live'", 30, "the call did not start")
+        await _start(page, srv.http + "/?drop=0.5", "the call did not start")
         await _wait(
             page,
             f"/dark suit|greasy/i.test({FINAL_TRANSCRIPT_JS})",
@@ -333,10 +317,7 @@ async def test_a_spoken_turn_over_webrtc_in_chromium(make_server, fake_mic_wav: 
         assert srv.server.counters["calls"] == 1 and len(srv.server.calls.active) == 1
         await _wait(page, "window.duplexd.activity === 'listening'", 10, "the page did not go back to listening")
         typed = await _typed_turn_without_voice(page)
-        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'ended'", 30, "the call did not end cleanly")
-        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
-        problems = list(page.problems)
+        state, problems = await _stop(page, "the call did not end cleanly")
 
     assert isinstance(reply, dict)
     assert state["transport"] == "webrtc" and state["closeCode"] == 1000 and state["callId"], state
@@ -362,30 +343,19 @@ async def test_a_spoken_turn_over_webrtc_in_chromium(make_server, fake_mic_wav: 
 
 
 async def test_the_page_falls_back_to_the_websocket_without_webrtc(
-    make_server, fake_mic_wav: Path, tmp_path: Path
+    make_server, chromium: str, fake_mic_wav: Path, tmp_path: Path
 ) -> None:
     """A browser without WebRTC (RTCPeerConnection removed before the page loads): Start talks over the
     WebSocket instead, and says so."""
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server()
     async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
         await page.send("Page.addScriptToEvaluateOnNewDocument", {"source": "delete window.RTCPeerConnection;"})
-        await page.navigate(srv.http + "/")
-        await _wait(
-            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
-        )
-        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'live'", 30, "the session did not start")
+        await _start(page, srv.http + "/", "the session did not start")
         status = await page.evaluate("document.querySelector('#status').textContent")
         await _wait(
             page, f"/dark suit|greasy/i.test({FINAL_TRANSCRIPT_JS})", TRANSCRIPT_TIMEOUT_S, "no final transcript"
         )
-        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'ended'", 30, "the session did not end cleanly")
-        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
-        problems = list(page.problems)
+        state, problems = await _stop(page, "the session did not end cleanly")
 
     assert state["transport"] == "websocket" and "not available" in state["fallback"], state
     assert "WebSocket" in status and state["framesSent"] > 50, status
@@ -394,22 +364,14 @@ async def test_the_page_falls_back_to_the_websocket_without_webrtc(
 
 
 async def test_the_microphone_picker_moves_the_call_to_another_device(
-    make_server, fake_mic_wav: Path, tmp_path: Path
+    make_server, chromium: str, fake_mic_wav: Path, tmp_path: Path
 ) -> None:
     """Chromium's fake microphones, several of them: the picker lists them, and choosing another during the
     call replaces the call's microphone track (`RTCRtpSender.replaceTrack`); the new device plays the
     recording again from its start, and the server hears it as a second question."""
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed (scripts/install-test-deps installs Debian's chromium)")
     srv = await make_server()
     async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
-        await page.navigate(srv.http + "/")
-        await _wait(
-            page, "window.duplexd && /Press Start/.test(document.querySelector('#status').textContent)", 20, "no page"
-        )
-        await page.evaluate("document.querySelector('#start').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'live'", 30, "the call did not start")
+        await _start(page, srv.http + "/", "the call did not start")
         await _wait(
             page, f"/dark suit|greasy/i.test({FINAL_TRANSCRIPT_JS})", TRANSCRIPT_TIMEOUT_S, "no final transcript"
         )
@@ -426,10 +388,7 @@ async def test_the_microphone_picker_moves_the_call_to_another_device(
             "the other microphone was not heard",
         )
         kept = await page.evaluate("localStorage.getItem('duplexd.mic')")
-        await page.evaluate("document.querySelector('#stop').click()", user_gesture=True)
-        await _wait(page, "window.duplexd.state === 'ended'", 30, "the call did not end cleanly")
-        state = json.loads(await page.evaluate("JSON.stringify(window.duplexd)"))
-        problems = list(page.problems)
+        state, problems = await _stop(page, "the call did not end cleanly")
 
     assert chosen and kept == chosen, (chosen, kept)
     assert state["transport"] == "webrtc" and srv.server.counters["calls"] == 1, state
