@@ -32,7 +32,7 @@ def load_engines(config: ServerConfig):
     t0 = time.perf_counter()
     vad = SileroVad(config.vad.model_path or None)
     asr = FasterWhisperEngine(config.asr)
-    dialog = tts = turn_audio = None
+    dialog = tts = turn_audio = tools = None
     if config.dialog.enabled:
         from duplexd.asr.turn_audio import load_turn_audio
         from duplexd.tts.engine import load_tts
@@ -55,6 +55,7 @@ def load_engines(config: ServerConfig):
 
             dialog = DialogEngine.load(EngineConfig.from_config(config.dialog))
         tts = load_tts(config.tts)
+        tools = _load_tools(config, dialog)
     log.info(
         "models loaded in %.1fs: VAD silero-vad (onnx), ASR %s (%s, beam %d), LLM %s, TTS %s, turn audio %s",
         time.perf_counter() - t0,
@@ -65,9 +66,26 @@ def load_engines(config: ServerConfig):
         tts.name if tts else "off",
         turn_audio.name if turn_audio else "off",
     )
-    engines = Engines(vad, asr, dialog, tts, turn_audio)
+    engines = Engines(vad, asr, dialog, tts, turn_audio, tools)
     warm_up(engines)
     return engines
+
+
+def _load_tools(config: ServerConfig, dialog):
+    """`[tools] mcp_servers`: start them (or connect), list their tools, give them to the dialog engine.
+    Returns the hub (closed with the server), or None. Raises `McpUnavailable`."""
+    if not config.tools.servers():
+        return None
+    if not hasattr(dialog, "attach_tools"):
+        log.warning('[tools] mcp_servers: tools need [dialog] backend = "remote" (the embedded model has none)')
+        return None
+    from duplexd.tools.mcp import McpHub
+    from duplexd.tools.runner import ToolRunner
+
+    hub = McpHub(config.tools)
+    hub.start()
+    dialog.attach_tools(ToolRunner(hub, config.tools))
+    return hub
 
 
 def warm_up(engines) -> None:
@@ -168,11 +186,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         log.error("bad configuration: %s", exc)
         return 2
+    from duplexd.tools.mcp import McpUnavailable
+
     try:
         asyncio.run(serve(config))
     except OSError as exc:  # binding the port, before any model loads
         t = config.transport
         log.error("cannot listen on %s:%d: %s", t.host, t.port, exc)
+        return 1
+    except McpUnavailable as exc:
+        log.error("%s", exc)
         return 1
     global _exit_at_once
     _exit_at_once = True

@@ -1,6 +1,7 @@
 """The commands the conversation core gives the shell: to the dialog worker (`AppendUserText`, `StartReply`,
-`DraftReply`, `InterruptReply`, `ReplaceContext`), to speech synthesis (`Synthesize`, `PrefetchSpeech`) and to
-the audio output (`PlayAudio`, `EndAudio`, `StopAudio`). A leaf module: every layer may import it."""
+`DraftReply`, `InterruptReply`, `ReplaceContext`, `SetTools`), to speech synthesis (`Synthesize`,
+`PrefetchSpeech`) and to the audio output (`PlayAudio`, `EndAudio`, `StopAudio`). A leaf module: every layer
+may import it."""
 
 from __future__ import annotations
 
@@ -41,6 +42,15 @@ class ReplaceContext:
     system_prompt: str | None
     turns: tuple[tuple[str, str], ...]
     open_user: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetTools:
+    """The tools the client gives the model (it runs their calls), and its `tool_choice` ("auto", "none",
+    "required", or a tool's name); each a `tools.calls.ToolSpec`, typed loosely to keep this a leaf."""
+
+    tools: tuple[object, ...]
+    tool_choice: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

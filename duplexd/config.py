@@ -520,6 +520,65 @@ class SpeculationConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolsConfig:
+    """Server-side tools (`[tools]`): MCP servers whose tools every conversation's model may call, run by
+    duplexd itself (`tools/`), and how far a call may go. Client-executed tools (Realtime `function`
+    tools) need no setting. Tools reach the model with `[dialog] backend = "remote"` (a server whose
+    model has a tool format); the embedded SmolLM2's chat template has none."""
+
+    mcp_servers: str = ""
+    """`label=URL` (streamable HTTP, e.g. `orders=http://127.0.0.1:9000/mcp`) or `label=stdio:COMMAND ARGS`
+    (a process duplexd starts), several separated by `;`."""
+    read_only: str = ""
+    """Tools that may run during the user's turn although their server does not mark them read-only
+    (`readOnlyHint`): names, comma-separated (`orders.lookup_order` or `lookup_order`)."""
+    speculate: bool = True
+    """A draft made during the user's pause (speculative listening) that calls a read-only tool starts the
+    call at once; the reply uses the result if it makes the identical call. Never a tool not known to be
+    read-only: those run only once the turn is final."""
+    call_timeout_s: float = 10.0
+    """A call that has not answered by then fails (the model reads the error), and is cancelled."""
+    max_result_chars: int = 8000
+    """A longer result is cut there (marked as cut) before the model reads it."""
+    max_calls_per_turn: int = 4
+    """Tool calls one reply may make, in all its rounds; more are answered with an error."""
+    max_concurrent_calls: int = 8
+    """Calls in flight at once, across sessions; more wait their turn."""
+    cache_entries: int = 8
+    """Early results kept per conversation for the reply to take (the oldest go, cancelled)."""
+    connect_timeout_s: float = 20.0
+    """Longest wait for an MCP server to start and list its tools at startup."""
+
+    def __post_init__(self) -> None:
+        _require(self.call_timeout_s > 0, "tools.call_timeout_s", self.call_timeout_s, "> 0")
+        _require(self.connect_timeout_s > 0, "tools.connect_timeout_s", self.connect_timeout_s, "> 0")
+        _require(self.max_result_chars >= 64, "tools.max_result_chars", self.max_result_chars, ">= 64")
+        _require(self.max_calls_per_turn >= 1, "tools.max_calls_per_turn", self.max_calls_per_turn, ">= 1")
+        _require(self.max_concurrent_calls >= 1, "tools.max_concurrent_calls", self.max_concurrent_calls, ">= 1")
+        _require(self.cache_entries >= 1, "tools.cache_entries", self.cache_entries, ">= 1")
+        for entry in self.servers():
+            _require(
+                bool(entry[0]) and bool(entry[1]),
+                "tools.mcp_servers",
+                self.mcp_servers,
+                "label=URL or label=stdio:COMMAND entries",
+            )
+
+    def servers(self) -> list[tuple[str, str]]:
+        """(label, target) of each configured MCP server."""
+        out = []
+        for entry in self.mcp_servers.split(";"):
+            if entry.strip():
+                label, _, target = entry.partition("=")
+                out.append((label.strip(), target.strip()))
+        return out
+
+    @property
+    def read_only_names(self) -> frozenset[str]:
+        return frozenset(n.strip() for n in self.read_only.split(",") if n.strip())
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     """Online admission control (`[admission]`): an AIMD limit on sessions driven by measured lag."""
 
@@ -610,6 +669,7 @@ class ServerConfig:
     turn: TurnConfig = field(default_factory=TurnConfig)
     tts: TtsConfig = field(default_factory=TtsConfig)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 

@@ -100,6 +100,24 @@ class ReplyRelayed:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplyToolCalled:
+    """The reply called a tool: `name` with `arguments` (JSON text), call `call_id`. A server-side tool's
+    (`server`: its MCP server's label) comes with its result (`output`, `error`, `elapsed_ms`: from the
+    call's start to its result; `early`: started during the user's turn, by a draft made at a pause);
+    a client's (`server` "") has none: the client runs it and gives the result back."""
+
+    reply: int
+    call_id: str
+    name: str
+    arguments: str
+    server: str = ""
+    output: str | None = None
+    error: bool = False
+    elapsed_ms: float = 0.0
+    early: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ReplySpeculation:
     """How speculative listening served a reply: drafts made while the user paused, and whether one was
     exactly this reply's start (`hit`: its `draft_tokens` were ready when the turn ended)."""
@@ -169,6 +187,7 @@ Event = (
     | ReplyStarted
     | ReplySpeculation
     | ReplyRelayed
+    | ReplyToolCalled
     | ReplyDelta
     | ReplyDone
     | ReplyPaused

@@ -48,12 +48,31 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from duplexd.config import DialogConfig
 from duplexd.dialog.engine import Priority, UnknownSession
 from duplexd.dialog.guard import reply_end
 from duplexd.dialog.kv_window import SlotTable
 from duplexd.errors import EngineError
+from duplexd.tools.calls import (
+    MAX_ARGUMENTS_CHARS,
+    TOOL_ROLES,
+    ToolCall,
+    ToolEvent,
+    ToolSpec,
+    call_turn,
+    chat_messages,
+    check_turn,
+    parse_streamed_calls,
+    result_turn,
+)
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from duplexd.tools.calls import ToolResult
+    from duplexd.tools.runner import ToolRunner
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +82,7 @@ _MAX_LINE_BYTES = 64 * 1024  # one SSE line (one chunk's JSON)
 _MAX_ERROR_BYTES = 16 * 1024  # of an error response's body, read for its message
 _MAX_TURN_CHARS = 16 * 1024  # of the user's open turn (its most recent words)
 _MAX_MESSAGES = 256  # earlier turns kept, whatever their length
+_MAX_CALLS = 16  # tool calls one streamed message may make
 _DEFAULTS = DialogConfig()
 
 
@@ -164,6 +184,7 @@ class _Stream:
         self.error: str | None = None
         self.refused = False  # the server answered 400: it does not take this request as it is
         self.cancelled = False
+        self.calls: list[dict[str, str]] = []  # tool calls the message makes, as their deltas built them up
 
     def start(self, name: str) -> None:
         threading.Thread(target=self._run, name=name, daemon=True).start()
@@ -239,13 +260,37 @@ class _Stream:
             if "error" in chunk:
                 return f"the server failed the reply: {_error_message(data)}"
             for choice in chunk.get("choices") or []:  # (a usage chunk has none)
-                text = (choice.get("delta") or {}).get("content")
+                delta = choice.get("delta") or {}
+                text = delta.get("content")
                 if isinstance(text, str) and text:
                     self._push(text)
+                for call in delta.get("tool_calls") or []:
+                    self._call_delta(call)
                 finished = finished or choice.get("finish_reason") is not None
             if self.received >= self._config.max_reply_tokens:
                 return None  # (the reply is as long as it may be: stop reading)
         return None
+
+    def _call_delta(self, delta: object) -> None:
+        """One `tool_calls` delta: a call's id and name (its first), then pieces of its arguments."""
+        if not isinstance(delta, dict):
+            raise ValueError("a tool_calls delta is not a JSON object")
+        index = delta.get("index", max(0, len(self.calls) - 1))
+        if not isinstance(index, int) or not 0 <= index < _MAX_CALLS:
+            raise ValueError(f"a tool call's index must be an integer in [0, {_MAX_CALLS})")
+        function = delta.get("function") or {}
+        with self._cond:
+            while len(self.calls) <= index:
+                self.calls.append({"id": "", "name": "", "arguments": ""})
+            slot = self.calls[index]
+            if isinstance(delta.get("id"), str):
+                slot["id"] = delta["id"]
+            if isinstance(function.get("name"), str) and function["name"]:
+                slot["name"] = function["name"]
+            if isinstance(function.get("arguments"), str):
+                slot["arguments"] += function["arguments"]
+                if len(slot["arguments"]) > MAX_ARGUMENTS_CHARS:
+                    raise ValueError(f"a tool call's arguments are over {MAX_ARGUMENTS_CHARS} characters")
 
     def _push(self, text: str) -> None:
         with self._cond:
@@ -284,6 +329,25 @@ class _Conversation:
     reply_done: bool = False  # the reply is the last message, whole, and nothing followed it yet
     prefix: str = ""  # the reply's given first words, which its request asks the server to continue
     stream: _Stream | None = None
+    root: int = 0  # the conversation a draft was forked from (the one its early tool results are kept for)
+    tools: tuple[ToolSpec, ...] = ()  # the client's own (Realtime `function` tools), besides the server's
+    tool_choice: str = "auto"
+    tools_version: int = 0
+    segment: list[tuple[str, str]] = field(default_factory=list)  # the reply's tool exchange so far (turns)
+    said: int = 0  # reply pieces whose words are in `segment` already
+    calls_made: int = 0  # by this reply, in all its rounds
+    waiting: list[_Waiting] = field(default_factory=list)  # server-side calls whose results it waits for
+    client_calls: list[ToolCall] = field(default_factory=list)  # ... and calls the client will run
+    tool_events: list[ToolEvent] = field(default_factory=list)  # not yet taken by the worker
+    tools_sent: bool = False  # its request in flight lists tools
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    call: ToolCall
+    server: str
+    future: Future[ToolResult] | None  # None: held (a draft's call that may not run before the turn is final)
+    early: bool  # started by a draft, during the user's turn
 
 
 class RemoteDialogEngine:
@@ -295,6 +359,7 @@ class RemoteDialogEngine:
     reports_p_end = False  # the conversation drafts at the pause without it (an early request)
     tuning = None  # (the remote server computes: nothing measured here)
     continues: bool | None = None  # the server continues a given reply prefix (None: not asked yet)
+    takes_tools = True  # its transcript holds tool calls and results (`tools.calls`), sent as chat messages
 
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config
@@ -304,6 +369,8 @@ class RemoteDialogEngine:
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._threads = 0  # request threads alive (cancelled ones included, until their socket closes)
+        self.runner: ToolRunner | None = None  # the server-side tools (`attach_tools`)
+        self.tools_refused = False  # the server answered 400 to a request with tools: none are sent again
         self.stats: dict[str, float] = {
             "steps": 0,  # polls for pieces (up to 50 a second while a reply streams)
             "decode_tokens": 0,  # pieces handed out
@@ -344,12 +411,33 @@ class RemoteDialogEngine:
             reply_cap=max_reply_tokens or self.config.max_reply_tokens,
             sentence_cap=self.config.max_reply_sentences if max_reply_sentences is None else max_reply_sentences,
         )
+        conv.root = conv.id
         self._sessions[conv.id] = conv
         return conv.id
+
+    def attach_tools(self, runner: ToolRunner) -> None:
+        """Server-side tools: every conversation's model may call them, and duplexd runs them (`runner`)."""
+        self.runner = runner
+
+    def set_tools(self, sid: int, tools: Sequence[ToolSpec], tool_choice: str = "auto") -> None:
+        """The client's own tools for this conversation (it runs their calls), from its next request on."""
+        c = self._get(sid)
+        c.tools, c.tool_choice = tuple(tools), tool_choice
+        c.tools_version += 1
+
+    def take_tool_events(self, sid: int) -> list[ToolEvent]:
+        """The tool calls the conversation's reply made since the last take (server-side ones with their
+        results), for the client."""
+        c = self._get(sid)
+        events, c.tool_events = c.tool_events, []
+        return events
 
     def close(self, sid: int) -> None:
         conv = self._get(sid)
         self._cancel(conv)
+        self._drop_calls(conv)
+        if conv.priority is Priority.NORMAL and self.runner is not None:
+            self.runner.end_turn(conv.id)
         self.tokenizer.forget(conv.reply)
         del self._sessions[sid]
         self.pool.release(conv.slot)
@@ -372,6 +460,10 @@ class RemoteDialogEngine:
             history=deque(parent.history),
             user_text=parent.user_text,
             user_open=parent.user_open,
+            root=parent.root,
+            tools=parent.tools,
+            tool_choice=parent.tool_choice,
+            tools_version=parent.tools_version,
         )
         self._sessions[child.id] = child
         return child.id
@@ -392,7 +484,7 @@ class RemoteDialogEngine:
     def state_key(self, sid: int) -> int:
         """Equal keys: equal transcripts, so equal requests (and, greedy, equal replies)."""
         c = self._get(sid)
-        return hash((c.system, tuple(c.history), c.user_open, c.user_text, c.replying))
+        return hash((c.system, tuple(c.history), c.user_open, c.user_text, c.replying, c.tools_version))
 
     def steps_to_reply(self, sid: int) -> int:
         c = self._get(sid)
@@ -423,7 +515,7 @@ class RemoteDialogEngine:
         """The messages the next request of this conversation would send, system first."""
         c = self._get(sid)
         turns = [*c.history, ("user", c.user_text)] if c.user_open else list(c.history)
-        return _messages(c.system, turns)
+        return chat_messages(c.system, turns)
 
     # --- the duplex API -------------------------------------------------------------------------------
 
@@ -452,7 +544,9 @@ class RemoteDialogEngine:
             return
         self.tokenizer.forget(c.reply)
         c.reply, c.reply_done = [], False
-        c.history.append(("user", c.user_text))
+        _new_reply(c)
+        if c.user_open or not c.history or c.history[-1][0] != "tool":  # (after tool results: no user turn)
+            c.history.append(("user", c.user_text))
         c.user_text, c.user_open = "", False
         _trim(c.history, self.config.history_chars)
         c.replying = True
@@ -473,6 +567,8 @@ class RemoteDialogEngine:
             return False
         else:
             c.history.pop()
+        self._drop_calls(c)
+        _new_reply(c)
         self.tokenizer.forget(c.reply)
         c.replying, c.reply_done = True, False
         c.prefix = prefix if self.continues is not False else ""
@@ -489,11 +585,11 @@ class RemoteDialogEngine:
         c = self._get(sid)
         if c.replying:
             raise EngineError(f"remote dialog session {sid} is replying: its context cannot be rewritten now")
-        if bad := [role for role, _ in turns if role not in ("user", "assistant")]:
-            raise ValueError(f"a turn's role is 'user' or 'assistant', not {bad[0]!r}")
+        for role, text in turns:
+            check_turn(role, text)
         history: deque[tuple[str, str]] = deque()
         for role, text in turns:
-            if history and history[-1][0] == role:
+            if history and history[-1][0] == role and role not in TOOL_ROLES:
                 history[-1] = (role, f"{history[-1][1]} {text}".strip())
             else:
                 history.append((role, text))
@@ -507,6 +603,7 @@ class RemoteDialogEngine:
         c.history = history
         self.tokenizer.forget(c.reply)
         c.reply, c.reply_done = [], False
+        _new_reply(c)
         c.user_text, c.user_open = words[-_MAX_TURN_CHARS:], bool(words)
 
     def interrupt(self, sid: int, heard_tokens: int) -> None:
@@ -538,7 +635,7 @@ class RemoteDialogEngine:
             return {}
         out: dict[int, list[int]] = {}
         with self._cond:
-            if wait and not any(c.stream is None or c.stream.pieces or c.stream.done for c in live):
+            if wait and not any(_ready(c) for c in live):
                 self._cond.wait(self.config.step_wait_s)
             t0 = time.perf_counter()
             for c in live:
@@ -551,6 +648,9 @@ class RemoteDialogEngine:
         return out
 
     def _take(self, c: _Conversation) -> list[int]:
+        if c.waiting or c.client_calls:
+            self._tool_round(c)
+            return []
         stream = c.stream
         if stream is None:  # (a request refused before it went out)
             self._end_reply(c)
@@ -576,6 +676,10 @@ class RemoteDialogEngine:
             self._end_reply(c)
         elif stream.done and not stream.pieces and c.prefix and stream.refused and stream.received == 0:
             self._refused_continuation(c)
+        elif stream.done and not stream.pieces and c.tools_sent and stream.refused and stream.received == 0:
+            self._refused_tools(c)
+        elif stream.done and not stream.pieces and stream.error is None and stream.calls:
+            self._calls(c, parse_streamed_calls(stream.calls))
         elif stream.done and not stream.pieces:
             if stream.error is not None:
                 self.stats["failed"] += 1
@@ -591,8 +695,8 @@ class RemoteDialogEngine:
         return new
 
     def _request(self, c: _Conversation) -> _Stream | None:
-        messages = _messages(c.system, c.history)
-        if c.prefix:
+        messages = chat_messages(c.system, [*c.history, *c.segment])
+        if c.prefix and not c.segment:
             messages.append({"role": "assistant", "content": c.prefix})
         body: dict[str, object] = {
             "model": self.config.model,
@@ -601,8 +705,14 @@ class RemoteDialogEngine:
             "temperature": 0,
             "max_tokens": max(1, c.reply_cap - len(c.reply)),
         }
-        if c.prefix:  # (vLLM's names; llama.cpp's server continues a final assistant message as it is)
+        if c.prefix and not c.segment:  # (vLLM's names; llama.cpp's server continues a final assistant message)
             body |= {"continue_final_message": True, "add_generation_prompt": False}
+        tools = [*(self.runner.specs if self.runner is not None else ()), *c.tools]
+        c.tools_sent = bool(tools) and not self.tools_refused
+        if c.tools_sent:
+            body["tools"] = [t.chat() for t in tools]
+            if c.tool_choice != "auto":
+                body["tool_choice"] = c.tool_choice
         with self._cond:
             if self._threads >= 2 * self.config.max_sessions:
                 self.stats["failed"] += 1
@@ -627,6 +737,84 @@ class RemoteDialogEngine:
         c.reply, c.prefix = [], ""
         c.stream = self._request(c)
 
+    def _refused_tools(self, c: _Conversation) -> None:
+        """The server refused a request with tools (HTTP 400; e.g. vLLM without a tool parser, or `duplexd
+        serve-llm` with a model that has no tool format): ask again without them, and never send them again."""
+        log.warning(
+            "remote LLM at %s does not take tools (%s): replies go on without them",
+            self.config.endpoint,
+            c.stream.error if c.stream is not None else "",
+        )
+        self.tools_refused = True
+        c.stream = self._request(c)
+
+    # --- tools ----------------------------------------------------------------------------------------
+
+    def _calls(self, c: _Conversation, calls: list[ToolCall]) -> None:
+        """The model's message ended with tool calls: the words before them and the calls join the reply's
+        exchange; the server's tools are called (a draft's only when they may run before the turn is
+        final), and the client's end the reply (it runs them)."""
+        c.stream = None
+        c.segment.append(("assistant", self.tokenizer.decode(c.reply[c.said :])))
+        c.said = len(c.reply)
+        c.segment.extend(call_turn(call) for call in calls)
+        runner = self.runner
+        for call in calls:
+            server = runner.server_of(call.name) if runner is not None else None
+            if server is None:
+                c.client_calls.append(call)
+                continue
+            assert runner is not None
+            c.calls_made += 1
+            if c.calls_made > runner.config.max_calls_per_turn:
+                future = runner.refuse(f"No more than {runner.config.max_calls_per_turn} tool calls in a turn.")
+                c.waiting.append(_Waiting(call, server, future, False))
+                continue
+            early = c.priority is not Priority.NORMAL
+            future, cached = runner.start(c.root, call, early=early)
+            c.waiting.append(_Waiting(call, server, future, cached or early))
+            if future is not None:
+                future.add_done_callback(self._tool_done)
+        self._tool_round(c)
+
+    def _tool_done(self, _future: object) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _tool_round(self, c: _Conversation) -> None:
+        """Once every server-side call has its result: the results join the exchange and the model is asked
+        to go on from them; or, where the client runs calls too, the reply ends with those."""
+        runner = self.runner
+        if runner is not None and c.priority is Priority.NORMAL:
+            for w in c.waiting:
+                if w.future is None:  # a draft's held call: the turn is final now (the draft was adopted)
+                    w.future, cached = runner.start(c.root, w.call, early=False)
+                    w.early = cached
+                    w.future.add_done_callback(self._tool_done)
+                elif w.early:
+                    runner.claim(c.root, w.call)
+        if not all(w.future is not None and w.future.done() for w in c.waiting):
+            return
+        for w in c.waiting:
+            assert w.future is not None
+            result = w.future.result()
+            c.segment.append(result_turn(w.call.call_id, result.output))
+            c.tool_events.append(ToolEvent(w.call, w.server, result, w.early))
+        c.waiting = []
+        if c.client_calls:
+            c.tool_events.extend(ToolEvent(call, "") for call in c.client_calls)
+            self._end_reply(c)
+        else:
+            c.stream = self._request(c)
+
+    def _drop_calls(self, c: _Conversation) -> None:
+        """The reply's calls in flight are not waited for any more (an early one stays in the runner's
+        cache, for the conversation's reply)."""
+        for w in c.waiting:
+            if w.future is not None and not w.early and not w.future.done():
+                w.future.cancel()
+        c.waiting, c.client_calls = [], []
+
     def _thread_exited(self) -> None:
         with self._cond:
             self._threads -= 1
@@ -637,12 +825,20 @@ class RemoteDialogEngine:
             c.stream = None
 
     def _end_reply(self, c: _Conversation) -> None:
-        """The reply is over: it becomes the transcript's assistant message."""
+        """The reply is over: it becomes the transcript's assistant message (after its tool exchange, if it
+        had one; a reply that ended with the client's calls ends there, their results to come)."""
+        ended_on_calls = bool(c.client_calls) or bool(c.segment and c.segment[-1][0] == "tool_call")
         c.replying = False
         c.stream = None
-        c.history.append(("assistant", self.tokenizer.decode(c.reply)))
+        self._drop_calls(c)
+        c.history.extend(c.segment)
+        c.segment = []
+        if not ended_on_calls or c.said < len(c.reply):
+            c.history.append(("assistant", self.tokenizer.decode(c.reply[c.said :])))
         c.reply_done = not c.user_open  # (words that came during the reply follow it already)
         _trim(c.history, self.config.history_chars)
+        if c.priority is Priority.NORMAL and self.runner is not None:
+            self.runner.end_turn(c.id)  # (early results no reply took are wasted)
 
     def _get(self, sid: int) -> _Conversation:
         try:
@@ -715,16 +911,28 @@ def _words(text: str) -> list[str]:
     return [*pieces[:-1], pieces[-1] + tail] if pieces else [tail] if tail else []
 
 
+def _new_reply(c: _Conversation) -> None:
+    c.segment, c.said, c.calls_made, c.tool_events = [], 0, 0, []
+
+
 def _has_work(c: _Conversation) -> bool:
-    return c.replying and not _at_limit(c)
+    return c.replying and not _at_limit(c) and not _held(c)
+
+
+def _held(c: _Conversation) -> bool:
+    """A draft that waits for the turn to be final before its tool calls may run."""
+    return c.priority is not Priority.NORMAL and any(w.future is None for w in c.waiting)
+
+
+def _ready(c: _Conversation) -> bool:
+    """`step()` has something to hand out or do for `c` now."""
+    if c.waiting:
+        return all(w.future is not None and w.future.done() for w in c.waiting) or c.priority is Priority.NORMAL
+    return c.stream is None or bool(c.stream.pieces) or c.stream.done
 
 
 def _at_limit(c: _Conversation) -> bool:
     return c.decode_limit is not None and len(c.reply) >= c.decode_limit
-
-
-def _messages(system: str, turns: Sequence[tuple[str, str]] | deque[tuple[str, str]]) -> list[dict[str, str]]:
-    return [{"role": "system", "content": system}, *({"role": r, "content": t} for r, t in turns)]
 
 
 def _trim(history: deque[tuple[str, str]], max_chars: int) -> None:
@@ -733,5 +941,5 @@ def _trim(history: deque[tuple[str, str]], max_chars: int) -> None:
     turn always stays, and the transcript still starts with one."""
     while len(history) > 2 and (len(history) > _MAX_MESSAGES or sum(len(t) for _, t in list(history)[:-2]) > max_chars):
         history.popleft()
-        if history and history[0][0] == "assistant":
+        while len(history) > 1 and history[0][0] != "user":  # (its reply, and any tool exchange in it)
             history.popleft()

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from duplexd.commands import AppendUserText, DraftReply, InterruptReply, ReplaceContext, StartReply
+from duplexd.commands import AppendUserText, DraftReply, InterruptReply, ReplaceContext, SetTools, StartReply
 from duplexd.config import SpeculationConfig
 from duplexd.dialog.detok import ReplyText
 from duplexd.dialog.engine import Priority
@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 _YIELD_POLL_S = 0.01
 _DRAFT_SHOWN_AT = 6  # reply tokens: a first spoken piece (two words, or a short clause) is in them
 
-DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply | ReplaceContext
+DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply | ReplaceContext | SetTools
+_TOOL_ROLES = ("tool_call", "tool")  # (`tools.calls`: turns of a tool exchange, for engines that take tools)
 
 
 class ModelNamed(Protocol):
@@ -118,6 +119,10 @@ class DialogClient(Protocol):
     def on_speculation(self, reply: int, drafts: int, hit: bool, draft_tokens: int) -> None:
         """At the start of `reply`: how many drafts were made for it, whether one was used, and how many
         of its tokens it brought."""
+
+    def on_tools(self, reply: int, events: list[object]) -> None:
+        """Tool calls `reply` made (`tools.calls.ToolEvent`s: a server-side one with its result, a client's to
+        be run by the client), in order; before the reply's last text."""
 
     def on_relay(self, reply: int, text: str, model: str, remote_model: str, decided_ms: float) -> None:
         """`dialog.mode = "relay"`: `reply`'s first words `text` are the local `model`'s (decided
@@ -258,6 +263,7 @@ class DialogWorker:
         self._pool = HypothesisPool(self.speculation.drafts_per_session, self.speculation.max_drafts)
         self._entries: dict[int, _Entry] = {}
         self._draft_texts: dict[int, _DraftText] = {}  # draft sid -> its reply text, as of the last step
+        self._tools_warned = False
         self._events: list[tuple[int | None, Callable[..., None], tuple[object, ...]]] = []
 
     @property
@@ -489,8 +495,18 @@ class DialogWorker:
                     log.warning("session %d: context not replaced: a reply is in progress", sid)
                     return
                 self._drop(self._pool.clear(sid))  # drafts of the old context
+                if not getattr(engine, "takes_tools", False):  # (the embedded model has no tool format)
+                    turns = tuple(t for t in turns if t[0] not in _TOOL_ROLES)
                 engine.rewrite(sid, prompt if prompt is not None else self._system_prompt, turns, open_user)
                 entry.last_reply = None  # (nothing left to cut: the new context holds what was heard)
+            case SetTools(tools=tools, tool_choice=choice):
+                set_tools = getattr(engine, "set_tools", None)
+                if set_tools is not None:
+                    self._drop(self._pool.clear(sid))  # (drafts made without them)
+                    set_tools(sid, tools, choice)
+                elif tools and not self._tools_warned:
+                    self._tools_warned = True
+                    log.warning("the dialog model here takes no tools: a client's tools are not given to it")
 
     def _draft(self, sid: int, entry: _Entry, text: str) -> None:
         """Fork the conversation and start its reply as if the user's turn ended after `text`."""
@@ -596,6 +612,8 @@ class DialogWorker:
                 assert entry.text is not None
                 if (relayed := self._relayed(sid)) is not None:  # (before the words it tells of)
                     self._emit(sid, entry.client.on_relay, entry.reply, *relayed)
+                if (take := getattr(engine, "take_tool_events", None)) is not None and (events := take(sid)):
+                    self._emit(sid, entry.client.on_tools, entry.reply, events)
                 tokens = engine.reply_tokens(sid)
                 done = not engine.replying(sid)
                 if len(tokens) > entry.reported or done:

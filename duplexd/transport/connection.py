@@ -28,6 +28,7 @@ from duplexd.events import (
     Event,
     ReplyRelayed,
     ReplySpeculation,
+    ReplyToolCalled,
 )
 from duplexd.streaming import conversation as cv
 from duplexd.streaming.clock import PlaybackClock
@@ -404,6 +405,23 @@ class Connection:
 
     def on_relay(self, reply: int, text: str, model: str, remote_model: str, decided_ms: float) -> None:  # DialogClient
         self.codec.event(ReplyRelayed(reply, text, model, remote_model, decided_ms))
+
+    def on_tools(self, reply: int, events: list[Any]) -> None:  # DialogClient (`tools.calls.ToolEvent`s)
+        for e in events:
+            result = e.result
+            self.codec.event(
+                ReplyToolCalled(
+                    reply,
+                    e.call.call_id,
+                    e.call.name,
+                    e.call.arguments,
+                    e.server,
+                    None if result is None else result.output,
+                    result is not None and result.error,
+                    0.0 if result is None else 1000 * result.elapsed_s,
+                    e.early,
+                )
+            )
 
     # -- inbound ------------------------------------------------------------------------------------
 

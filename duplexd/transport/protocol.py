@@ -44,6 +44,7 @@ class ServerType(StrEnum):
     REPLY_STARTED = "reply.started"
     REPLY_SPECULATION = "reply.speculation"
     REPLY_RELAYED = "reply.relayed"
+    REPLY_TOOL = "reply.tool"
     REPLY_DELTA = "reply.delta"
     REPLY_DONE = "reply.done"
     REPLY_PAUSED = "reply.paused"
@@ -324,6 +325,19 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
                 "model": model,
                 "remote_model": remote,
                 "decided_ms": round(ms, 1),
+            }
+        case ev.ReplyToolCalled() as call:
+            return {
+                "type": ServerType.REPLY_TOOL,
+                "reply": call.reply,
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+                "server": call.server or None,
+                "output": call.output,
+                "error": call.error,
+                "elapsed_ms": round(call.elapsed_ms, 1),
+                "early": call.early,
             }
         case ev.ReplyDelta(reply=r, text=text):
             return {"type": ServerType.REPLY_DELTA, "reply": r, "text": text}  # the shell adds its token_seq

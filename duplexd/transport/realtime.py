@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -66,7 +67,8 @@ class SessionSettings:
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     voice: str = "default"
     max_output_tokens: int | None = None  # None: "inf" (the server's own reply limit)
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: tuple[dict[str, Any], ...] = ()  # as the client gave them (`function` and `mcp` tools)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +77,9 @@ class SessionUpdate:
     output_modalities: tuple[str, ...] | None
     turn_detection: TurnDetection | None | bool  # False: not given
     max_output_tokens: int | None | bool  # False: not given; None: "inf"
-    tool_choice: str | None
+    tool_choice: str | dict[str, Any] | None
     ignored: tuple[str, ...]  # dotted paths of fields accepted and not honoured
+    tools: tuple[dict[str, Any], ...] | None = None  # None: not given
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +163,12 @@ ClientEvent = (
 )
 
 _MODALITIES = {("audio",), ("text",), ("text", "audio"), ("audio", "text")}
-_TOOL_CHOICES = ("auto", "none")  # what duplexd does without tools; "required" or a function is ignored
+_TOOL_CHOICES = ("auto", "none", "required")
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+MAX_TOOLS = 128
 # Session fields that change nothing here when they hold these values (OpenAI's own defaults, or what duplexd
 # does anyway); any other value is accepted and listed as ignored.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "tools": ([],),
     "tracing": (None, "auto"),
     "truncation": (None, "auto"),
     "include": (None, []),
@@ -260,13 +264,47 @@ def _max_tokens(value: object, param: str) -> int | None:
     return value  # type: ignore[return-value]
 
 
-def _tool_choice(value: object, param: str, ignored: list[str]) -> str | None:
+def _tool_choice(value: object, param: str, ignored: list[str]) -> str | dict[str, Any] | None:
+    """ "auto", "none", "required", or `{type: function, name}` / `{type: mcp, server_label, name}`."""
     if value is None:
         return None
     if value in _TOOL_CHOICES:
         return str(value)
-    ignored.append(f"{param}={value if isinstance(value, str) else 'function'}")
-    return None
+    if isinstance(value, dict) and value.get("type") in ("function", "mcp") and isinstance(value.get("name"), str):
+        return dict(value)
+    raise RealtimeError(
+        "invalid_value",
+        '`tool_choice` must be "auto", "none", "required", or an object naming a function or MCP tool.',
+        param=param,
+    )
+
+
+def _tools(value: object, param: str) -> tuple[dict[str, Any], ...]:
+    """`tools`: `function` tools (the client runs their calls) and `mcp` tools (an MCP server's)."""
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise RealtimeError("invalid_value", f"`tools` must be a list of at most {MAX_TOOLS} tools.", param=param)
+    out = []
+    for i, tool in enumerate(value):
+        where = f"{param}[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            assert isinstance(tool, dict)
+            if not isinstance(tool.get("name"), str) or not _TOOL_NAME.match(tool["name"]):
+                raise RealtimeError(
+                    "invalid_value", "A function tool's `name` must match ^[a-zA-Z0-9_-]{1,64}$.", param=f"{where}.name"
+                )
+            if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+                raise RealtimeError("invalid_value", "`parameters` must be a JSON schema object.", param=where)
+            if tool.get("description") is not None and not isinstance(tool["description"], str):
+                raise RealtimeError("invalid_value", "`description` must be a string.", param=where)
+        elif kind == "mcp":
+            assert isinstance(tool, dict)
+            if not isinstance(tool.get("server_label"), str) or not tool["server_label"]:
+                raise RealtimeError("invalid_value", "An MCP tool needs a `server_label`.", param=where)
+        else:
+            raise RealtimeError("invalid_value", "A tool's `type` must be function or mcp.", param=f"{where}.type")
+        out.append(dict(tool))
+    return tuple(out)
 
 
 def parse_session(session: object) -> SessionUpdate:
@@ -277,7 +315,7 @@ def parse_session(session: object) -> SessionUpdate:
             "invalid_value", "Only `realtime` sessions are supported (not transcription).", param="session.type"
         )
     ignored: list[str] = []
-    known = {"instructions", "output_modalities", "audio", "max_output_tokens", "tool_choice"}
+    known = {"instructions", "output_modalities", "audio", "max_output_tokens", "tool_choice", "tools"}
     for key, value in session.items():
         if key not in known and (key not in _NEUTRAL or (_NEUTRAL[key] and value not in _NEUTRAL[key])):
             ignored.append(f"session.{key}")
@@ -325,6 +363,7 @@ def parse_session(session: object) -> SessionUpdate:
         max_tokens,
         _tool_choice(session.get("tool_choice"), "session.tool_choice", ignored),
         tuple(ignored),
+        _tools(session["tools"], "session.tools") if session.get("tools") is not None else None,
     )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from duplexd.tools.calls import ToolCall, ToolSpec, call_turn, result_turn
+
 MAX_ITEMS = 256  # conversation items kept for retrieve / delete / truncate (the oldest are forgotten)
 # A context rebuilt from the items (after an edit the KV cannot make in place) holds the newest turns up to
 # this many characters (~2k tokens: more than the KV window keeps, and a bounded prefill).
@@ -45,13 +47,15 @@ class Items:
     def audio_ms(self, item_id: str) -> float:
         return self._audio_ms.get(item_id, 0.0)
 
-    def keep(self, item: Item, reply: int | None = None, audio_ms: float = 0.0) -> None:
-        """Keep `item` (a copy) as the newest, or update it there; `reply`: the response's reply number."""
+    def keep(self, item: Item, reply: int | None = None, audio_ms: float = 0.0, *, newest: bool = True) -> None:
+        """Keep `item` (a copy) as the newest, or update it there (`newest` False: where it is); `reply`: the
+        response's reply number."""
         if reply is not None:
             self._reply[item["id"]] = reply
             self._audio_ms[item["id"]] = audio_ms
         self._items[item["id"]] = dict(item)
-        self._items.move_to_end(item["id"])
+        if newest:
+            self._items.move_to_end(item["id"])
         self._forget_oldest()
 
     def add(self, item: Item) -> None:
@@ -101,22 +105,54 @@ def words(item: Item) -> str:
 
 def render(items: list[Item], instructions: str) -> tuple[str, list[tuple[str, str]]]:
     """The LLM context the items describe: the system prompt (`instructions`, then any system messages'
-    words) and the user and assistant turns, the newest up to `MAX_CONTEXT_CHARS`. Other items (function
-    calls and their outputs) are not part of it."""
+    words), the user and assistant turns and the tool exchanges (`function_call` / `mcp_call` items as
+    "tool_call" turns, their outputs as "tool" turns: `tools.calls`), the newest up to `MAX_CONTEXT_CHARS`.
+    An output whose call is not there (deleted, forgotten) is left out: a chat API refuses it. Other items
+    (MCP tool lists) are not part of it."""
     system, turns = [instructions], []
+    calls: set[str] = set()
     for item in items:
-        role = item.get("role") if item.get("type") == "message" else None
+        kind = item.get("type")
+        role = item.get("role") if kind == "message" else None
         text = words(item) if role is not None else ""
         if role == "system" and text:
             system.append(text)
         elif role == "assistant" or (role == "user" and text):
             turns.append((role, text))
+        elif kind in ("function_call", "mcp_call") and isinstance(item.get("name"), str):
+            call_id = str(item.get("call_id") or item.get("id") or "")
+            calls.add(call_id)
+            turns.append(call_turn(ToolCall(call_id, item["name"], str(item.get("arguments") or "{}"))))
+            if kind == "mcp_call" and (item.get("output") is not None or item.get("error") is not None):
+                turns.append(result_turn(call_id, str(item.get("output") or item.get("error"))))
+        elif kind == "function_call_output" and item.get("call_id") in calls:
+            turns.append(result_turn(item["call_id"], str(item.get("output") or "")))
     kept, size = 0, 0
     for _, text in reversed(turns):
         if kept and size + len(text) > MAX_CONTEXT_CHARS:
             break
         kept, size = kept + 1, size + len(text)
     return "\n\n".join(w for w in system if w), turns[len(turns) - kept :]
+
+
+def function_specs(tools: tuple[dict[str, Any], ...]) -> tuple[ToolSpec, ...]:
+    """A session's `function` tools, which the client runs (its `mcp` tools are the server's)."""
+    return tuple(
+        ToolSpec(
+            t["name"],
+            t.get("description") or "",
+            t.get("parameters") or {"type": "object", "properties": {}},
+        )
+        for t in tools
+        if t.get("type") == "function"
+    )
+
+
+def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    """A Realtime `tool_choice` as chat completions takes it."""
+    if isinstance(choice, dict):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
 
 
 def heard_part(text: str, fraction: float) -> str:

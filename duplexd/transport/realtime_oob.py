@@ -108,6 +108,9 @@ class _Reply:
     def on_relay(self, reply: int, text: str, model: str, remote_model: str, decided_ms: float) -> None:  # DialogClient
         pass
 
+    def on_tools(self, reply: int, events: list[object]) -> None:  # DialogClient (no tools out of band)
+        pass
+
     def finish(self, status: str, reason: str | None) -> None:
         """The response ends (`completed`, or `incomplete` / `cancelled` before its end): its dialog
         session is closed, and its last events go out."""

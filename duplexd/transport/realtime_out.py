@@ -17,11 +17,11 @@ from __future__ import annotations
 import base64
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from duplexd.config import ServerConfig
-from duplexd.events import Word
+from duplexd.events import ReplyToolCalled, Word
 from duplexd.transport import realtime as rt
 from duplexd.transport.realtime_items import Items
 from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
@@ -39,6 +39,8 @@ class Response:
     max_output_tokens: int | None = None
     text: str = ""
     audio_ms: float = 0.0
+    calls: list[dict[str, Any]] = field(default_factory=list)  # its function_call / mcp_call output items
+    before: str | None = None  # (with calls) the item before its message
 
     @property
     def text_only(self) -> bool:
@@ -113,7 +115,7 @@ def session_object(session_id: str, s: rt.SessionSettings, defaults: VadDefaults
         "model": rt.MODEL_NAME,
         "output_modalities": list(s.output_modalities),
         "instructions": s.instructions,
-        "tools": [],
+        "tools": list(s.tools),
         "tool_choice": s.tool_choice,
         "max_output_tokens": "inf" if s.max_output_tokens is None else s.max_output_tokens,
         "tracing": None,
@@ -251,6 +253,78 @@ class RealtimeOut:
         kind = "response.output_text.delta" if r.text_only else "response.output_audio_transcript.delta"
         return [self.event(kind, **part_ids(r), delta=text)]
 
+    def tool_call(self, reply: int, call: ReplyToolCalled) -> Events:
+        """The response called a tool: a `function_call` item (the client runs it, and answers with a
+        `function_call_output` item and `response.create`), or an `mcp_call` item with the MCP server's
+        result. Each is an output item of the response after its message, and an item of the conversation."""
+        r = self.response
+        if r is None or r.reply != reply:
+            return []
+        index = 1 + len(r.calls)
+        item_id = self.ids.new("item")
+        at = {"response_id": r.id, "item_id": item_id, "output_index": index}
+        if call.server:
+            item: dict[str, Any] = {
+                "id": item_id,
+                "object": "realtime.item",
+                "type": "mcp_call",
+                "server_label": call.server,
+                "name": call.name,
+                "arguments": "",
+                "approval_request_id": None,
+                "output": None,
+                "error": None,
+            }
+        else:
+            item = {
+                "id": item_id,
+                "object": "realtime.item",
+                "type": "function_call",
+                "status": "in_progress",
+                "name": call.name,
+                "call_id": call.call_id,
+                "arguments": "",
+            }
+        after = r.calls[-1]["id"] if r.calls else r.item_id
+        out = [
+            self.event("response.output_item.added", response_id=r.id, output_index=index, item=dict(item)),
+            self.event("conversation.item.added", previous_item_id=after, item=dict(item)),
+        ]
+        item["arguments"] = call.arguments
+        if call.server:
+            out += [
+                self.event("response.mcp_call_arguments.delta", **at, delta=call.arguments),
+                self.event("response.mcp_call_arguments.done", **at, arguments=call.arguments),
+                self.event("response.mcp_call.in_progress", item_id=item_id, output_index=index),
+            ]
+            if call.error:
+                item["error"] = {"type": "tool_execution_error", "message": call.output or ""}
+            else:
+                item["output"] = call.output
+            kind = "response.mcp_call.failed" if call.error else "response.mcp_call.completed"
+            out.append(self.event(kind, item_id=item_id, output_index=index))
+        else:
+            item["status"] = "completed"
+            out += [
+                self.event("response.function_call_arguments.delta", **at, call_id=call.call_id, delta=call.arguments),
+                self.event(
+                    "response.function_call_arguments.done",
+                    **at,
+                    call_id=call.call_id,
+                    name=call.name,
+                    arguments=call.arguments,
+                ),
+            ]
+        out += [
+            self.event("response.output_item.done", response_id=r.id, output_index=index, item=dict(item)),
+            self.event("conversation.item.done", previous_item_id=after, item=dict(item)),
+        ]
+        if not r.calls:
+            r.before = self.items.last  # (the item the message follows)
+        r.calls.append(item)
+        self.items.add(item)
+        return out
+
     def audio(self, pcm: bytes, *, delta: bool = True) -> Events:
         """Reply audio of the response in progress; `delta` False: counted, not sent as an event (a WebRTC
         call plays it on its audio track)."""
@@ -286,10 +360,13 @@ class RealtimeOut:
         item = self.message(r, "completed" if status == "completed" else "incomplete", [content(r)])
         out.append(self.event("response.output_item.done", response_id=r.id, output_index=0, item=item))
         if in_conversation:
-            out.append(self.event("conversation.item.done", previous_item_id=self.items.last, item=item))
-            self.items.keep(item, r.reply, r.audio_ms)
-            self.items.last = r.item_id
-        response = self.response_object(r, status, [item], reason=reason, in_conversation=in_conversation)
+            before = r.before if r.calls else self.items.last
+            out.append(self.event("conversation.item.done", previous_item_id=before, item=item))
+            self.items.keep(item, r.reply, r.audio_ms, newest=not r.calls)  # (its calls follow it)
+            if not r.calls:
+                self.items.last = r.item_id
+        output = [item, *r.calls]
+        response = self.response_object(r, status, output, reason=reason, in_conversation=in_conversation)
         out.append(self.event("response.done", response=response))
         return out
 

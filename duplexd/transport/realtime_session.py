@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from duplexd.commands import SetTools
 from duplexd.errors import ErrorCode
 from duplexd.events import (
     ErrorRaised,
@@ -32,6 +33,7 @@ from duplexd.events import (
     ReplyDone,
     ReplyInterrupted,
     ReplyStarted,
+    ReplyToolCalled,
     SpeechStarted,
     SpeechStopped,
     TranscriptUpdated,
@@ -44,7 +46,7 @@ from duplexd.transport import realtime as rt
 from duplexd.transport.connection import Connection
 from duplexd.transport.outbox import CLOSE_POLICY, Closing
 from duplexd.transport.realtime_context import LlmContext
-from duplexd.transport.realtime_items import Items, render
+from duplexd.transport.realtime_items import Items, chat_tool_choice, function_specs, render
 from duplexd.transport.realtime_oob import OutOfBand
 from duplexd.transport.realtime_out import (
     Ids,
@@ -293,6 +295,14 @@ class RealtimeCodec:
             conv.max_reply_tokens = u.max_output_tokens
         if u.tool_choice is not None:
             self.settings.tool_choice = u.tool_choice
+        if u.tools is not None:
+            self.settings.tools = u.tools
+            ignored += [f"session.tools[{i}] (mcp)" for i, t in enumerate(u.tools) if t["type"] == "mcp"]
+        if u.tools is not None or u.tool_choice is not None:
+            self.conn.dispatch(
+                [SetTools(function_specs(self.settings.tools), chat_tool_choice(self.settings.tool_choice))],
+                time.monotonic(),
+            )
         if u.turn_detection is not False:
             td = u.turn_detection
             assert td is None or isinstance(td, rt.TurnDetection)
@@ -412,6 +422,8 @@ class RealtimeCodec:
             case ReplyInterrupted(reply=reply, heard_text=heard, reason=reason):
                 why = "turn_detected" if reason == "barge_in" else "client_cancelled"
                 self._response_done(reply, heard, "cancelled", why)
+            case ReplyToolCalled(reply=reply):
+                self._send_all(out.tool_call(reply, event))
             case ErrorRaised(code=code, message=message):
                 self._rt_error(rt.RealtimeError(str(code), message), kind="server_error")
             case _:

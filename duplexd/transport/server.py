@@ -34,6 +34,7 @@ from duplexd.scheduler.dialog import DialogWorker, LlmEngine
 from duplexd.scheduler.tts import TtsWorker
 from duplexd.scheduler.workers import AsrScheduler, TurnAudioWorker, VadWorker
 from duplexd.streaming.session import Session, SessionConfig
+from duplexd.tools.mcp import McpHub
 from duplexd.transport import protocol
 from duplexd.transport.connection import Connection
 from duplexd.transport.control import LoadControl
@@ -64,6 +65,7 @@ class Engines:
     dialog: LlmEngine | None = None  # DialogEngine, or RemoteDialogEngine (`[dialog] backend`)
     tts: TtsEngine | None = None
     turn_audio: TurnAudioModel | None = None  # how the user stopped talking (`turn.audio_model`)
+    tools: McpHub | None = None  # the MCP servers of `[tools]` (closed with the server)
 
 
 class Server:
@@ -104,6 +106,7 @@ class Server:
             if engines.turn_audio and self.dialog
             else None
         )
+        self.engines_tools = engines.tools
         self.sessions: dict[str, Session] = {}
         self.handles: dict[str, Connection] = {}  # every session's handle, attached or awaiting a resume
         self.datagram: DatagramEndpoint | None = None
@@ -210,6 +213,8 @@ class Server:
             self.asr.close()
             if self.turn_audio is not None:
                 self.turn_audio.close()
+            if self.engines_tools is not None:
+                self.engines_tools.close()
             if self.dialog is not None and self.tts is not None:
                 self.dialog.close_worker()
                 self.tts.close()

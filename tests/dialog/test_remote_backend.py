@@ -490,6 +490,8 @@ def test_a_rewritten_transcript_is_what_the_next_request_sends() -> None:
     engine.append_user_text(sid, " Now.")  # (the last user turn is open: the words join it, as locally)
     assert engine.history(sid)[-1] == {"role": "user", "content": "Bye. Now."}
     with pytest.raises(ValueError):
+        engine.rewrite(sid, None, [("function", "x")])
+    with pytest.raises(ValueError):  # (a tool exchange's turns are JSON: `tools.calls`)
         engine.rewrite(sid, None, [("tool", "x")])
     engine.close(sid)
 
