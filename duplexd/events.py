@@ -115,6 +115,7 @@ class ReplyToolCalled:
     error: bool = False
     elapsed_ms: float = 0.0
     early: bool = False
+    waited_ms: float = 0.0  # how long the reply waited for the result (0: ready when the reply needed it)
 
 
 @dataclass(frozen=True, slots=True)

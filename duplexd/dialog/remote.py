@@ -348,6 +348,7 @@ class _Waiting:
     server: str
     future: Future[ToolResult] | None  # None: held (a draft's call that may not run before the turn is final)
     early: bool  # started by a draft, during the user's turn
+    needed_at: float | None = None  # (`time.perf_counter()`) when the reply, not a draft, first waited for it
 
 
 class RemoteDialogEngine:
@@ -786,7 +787,10 @@ class RemoteDialogEngine:
         to go on from them; or, where the client runs calls too, the reply ends with those."""
         runner = self.runner
         if runner is not None and c.priority is Priority.NORMAL:
+            now = time.perf_counter()
             for w in c.waiting:
+                if w.needed_at is None:
+                    w.needed_at = now
                 if w.future is None:  # a draft's held call: the turn is final now (the draft was adopted)
                     w.future, cached = runner.start(c.root, w.call, early=False)
                     w.early = cached
@@ -799,7 +803,8 @@ class RemoteDialogEngine:
             assert w.future is not None
             result = w.future.result()
             c.segment.append(result_turn(w.call.call_id, result.output))
-            c.tool_events.append(ToolEvent(w.call, w.server, result, w.early))
+            waited = 0.0 if w.needed_at is None else max(0.0, result.done_at - w.needed_at)
+            c.tool_events.append(ToolEvent(w.call, w.server, result, w.early, waited))
         c.waiting = []
         if c.client_calls:
             c.tool_events.extend(ToolEvent(call, "") for call in c.client_calls)

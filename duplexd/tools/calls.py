@@ -65,7 +65,8 @@ class ToolCall:
 class ToolResult:
     output: str  # the text the model reads (an error's message, when `error`)
     error: bool = False
-    elapsed_s: float = 0.0
+    elapsed_s: float = 0.0  # from the call's start to its result
+    done_at: float = 0.0  # `time.perf_counter()` when the result came
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class ToolEvent:
     server: str  # "" for a call the client executes
     result: ToolResult | None = None
     early: bool = False
+    waited_s: float = 0.0  # how long the reply waited for the result (0: it was there when the reply needed it)
 
 
 def call_key(name: str, arguments: str) -> str:

@@ -126,29 +126,33 @@ class McpHub:
         except ValueError:
             args = None
         if not isinstance(args, dict):
-            return ToolResult("The arguments are not a JSON object.", error=True)
+            return ToolResult("The arguments are not a JSON object.", error=True, done_at=time.perf_counter())
         server = next(s for s in self._servers if s.label == spec.server)
         assert self._limit is not None
         async with self._limit:
             if server.client is None:
-                return ToolResult(f"The tool's server ({server.label}) is not connected.", error=True)
+                return ToolResult(f"The tool's server ({server.label}) is not connected.", error=True, done_at=t0)
             try:
                 async with asyncio.timeout(self.config.call_timeout_s + 1):  # (the SDK's own comes first)
                     result = await server.client.call_tool(
                         spec.name, args, read_timeout_seconds=self.config.call_timeout_s
                     )
             except TimeoutError:
-                return ToolResult(f"The tool did not answer within {self.config.call_timeout_s:g} s.", error=True)
+                now = time.perf_counter()
+                message = f"The tool did not answer within {self.config.call_timeout_s:g} s."
+                return ToolResult(message, error=True, elapsed_s=now - t0, done_at=now)
             except Exception as exc:  # MCPError (a timeout, an unknown tool), a server gone
+                now = time.perf_counter()
                 message = getattr(exc, "message", None) or _reason(exc)
-                return ToolResult(f"The tool call failed: {message}", error=True, elapsed_s=time.perf_counter() - t0)
+                return ToolResult(f"The tool call failed: {message}", error=True, elapsed_s=now - t0, done_at=now)
         text = "\n".join(getattr(part, "text", "") for part in result.content if getattr(part, "text", None))
         if not text and getattr(result, "structured_content", None) is not None:
             text = json.dumps(result.structured_content)
         limit = self.config.max_result_chars
         if len(text) > limit:
             text = text[:limit] + f" [cut: the result was {len(text)} characters]"
-        return ToolResult(text, error=bool(result.is_error), elapsed_s=time.perf_counter() - t0)
+        now = time.perf_counter()
+        return ToolResult(text, error=bool(result.is_error), elapsed_s=now - t0, done_at=now)
 
     def close(self) -> None:
         """Leave every session (stdio servers are stopped), then the hub's loop."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Protocol
@@ -117,7 +118,7 @@ class ToolRunner:
     def refuse(self, message: str) -> Future[ToolResult]:
         """A call that is not made: the model reads `message` as its error."""
         future: Future[ToolResult] = Future()
-        future.set_result(ToolResult(message, error=True))
+        future.set_result(ToolResult(message, error=True, done_at=time.perf_counter()))
         return future
 
     def _waste(self, future: Future[ToolResult]) -> None:

@@ -420,6 +420,7 @@ class Connection:
                     result is not None and result.error,
                     0.0 if result is None else 1000 * result.elapsed_s,
                     e.early,
+                    1000 * e.waited_s,
                 )
             )
 

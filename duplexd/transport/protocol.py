@@ -338,6 +338,7 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
                 "error": call.error,
                 "elapsed_ms": round(call.elapsed_ms, 1),
                 "early": call.early,
+                "waited_ms": round(call.waited_ms, 1),
             }
         case ev.ReplyDelta(reply=r, text=text):
             return {"type": ServerType.REPLY_DELTA, "reply": r, "text": text}  # the shell adds its token_seq

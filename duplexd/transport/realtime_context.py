@@ -62,8 +62,8 @@ class LlmContext:
             # A whole turn that waits for response.create, unless the user is speaking (it joins that turn).
             own = session.heard_s if self.out.user_item is None else None
             self.conn.dispatch(conv.user_text(event.text, own_turn_at=own), now)
-        elif event.role is not None:
-            self.stale = True
+        elif event.role is not None or item["type"] in ("function_call", "function_call_output"):
+            self.stale = True  # (a tool exchange is part of the context: `realtime_items.render`)
             self.sync(now)
         else:
             log.info("session %s: %s item kept; not part of the LLM's context", session.id, item.get("type"))

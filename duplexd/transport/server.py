@@ -299,6 +299,7 @@ class Server:
             "turn_scorer": self._turn_scorer(),
             # (`dialog.mode = "relay"`: the local model that speaks replies' first words, and how often it did)
             "relay": self._relay(),
+            "tools": self._tools(),
             "turn_audio": None if self.turn_audio is None else self.turn_audio.report(),
             "llm_steps": None if self.dialog is None else self.dialog.step_times(),
             "threads": self.threads(),
@@ -320,6 +321,14 @@ class Server:
 
         engine = None if self.dialog is None else self.dialog.engine
         return engine.scorer_report() if isinstance(engine, TurnScoredEngine) else None
+
+    def _tools(self) -> dict[str, object] | None:
+        """`[tools]`: the MCP servers' tools, and what their calls did (`tools.runner.ToolRunner.stats`)."""
+        runner = None if self.dialog is None else getattr(self.dialog.engine, "runner", None)
+        if runner is None:
+            return None
+        tools = [{"name": s.name, "server": s.server, "read_only": s.read_only} for s in runner.specs]
+        return {"tools": tools, "speculate": runner.config.speculate, **runner.stats}
 
     def _relay(self) -> dict[str, object] | None:
         from duplexd.dialog.relay import RelayDialogEngine

@@ -265,6 +265,7 @@ ENCODED = [
             "error": False,
             "elapsed_ms": 301.3,
             "early": True,
+            "waited_ms": 0.0,
         },
     ),
     (
@@ -280,6 +281,7 @@ ENCODED = [
             "error": False,
             "elapsed_ms": 0.0,
             "early": False,
+            "waited_ms": 0.0,
         },
     ),
     (ev.ReplyDelta(reply=2, text=" It is"), {"type": "reply.delta", "reply": 2, "text": " It is"}),
