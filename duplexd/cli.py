@@ -317,6 +317,7 @@ BENCHMARKS = {  # `duplexd bench NAME`: the module whose `main(args)` runs it
     "chaos": "duplexd.bench.chaos",
     "cluster": "duplexd.bench.cluster",
     "threads": "duplexd.bench.threads",
+    "tools": "duplexd.bench.tools",
 }
 
 
@@ -466,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--remote-model", default="", help="relay: the model name to ask --remote-url for")
     p.add_argument("--delays", default=None, help="relay: the remote's added delays in ms (default 0,300,600)")
+    p.add_argument("--tool-latencies", default=None, help="tools: the tool's latencies in ms (default 300,800)")
     p.add_argument("--streams", default="1,2,4", help="concurrency levels for the long streams (default 1,2,4)")
     p.add_argument("--no-per-clip", action="store_true", help="skip the clip-by-clip WER/latency run")
     p.add_argument(

@@ -8,7 +8,8 @@ chunks, `finish_reason: "tool_calls"`), and decides as a tool-using model would,
   that with `{"order_id": KEY}`, KEY the user's word with the most digits, else their longest: the same words
   give the same call, other words (a draft on half a sentence) another;
 - the last message is a tool result: it answers with it ("Here is what I found. <output>");
-- `tool_choice` names a function: it calls that one, with `{}`;
+- `tool_choice` names a function: it calls that one, with `{}`; `prefer` names a listed tool: it calls that
+  one, as it would `lookup_order`;
 - otherwise, or with `tool_choice: "none"`: "Hello, how can I help you?".
 
 `ttft_s` delays each response's first chunk (a remote model's time to first token). Every request body is
@@ -42,6 +43,7 @@ def order_key(text: str) -> str:
 class ScriptedToolLlm:
     def __init__(self, *, ttft_s: float = 0.0, host: str = "127.0.0.1", port: int = 0) -> None:
         self.ttft_s = ttft_s
+        self.prefer: str | None = None  # a tool it calls for every user turn, when the request lists it
         self.requests: deque[dict[str, Any]] = deque(maxlen=256)
         script = self
 
@@ -115,6 +117,8 @@ class ScriptedToolLlm:
         said = str(last.get("content") or "")
         if isinstance(choice, dict):  # (a named function: it must call that one)
             return _call(choice["function"]["name"], {})
+        if self.prefer in names:
+            return _call(self.prefer, {"order_id": order_key(said)})
         if "cancel_order" in names and "cancel" in said.lower():
             return _call("cancel_order", {"order_id": order_key(said)})
         if "lookup_order" in names:

@@ -339,6 +339,7 @@ class _Conversation:
     waiting: list[_Waiting] = field(default_factory=list)  # server-side calls whose results it waits for
     client_calls: list[ToolCall] = field(default_factory=list)  # ... and calls the client will run
     tool_events: list[ToolEvent] = field(default_factory=list)  # not yet taken by the worker
+    early_taken: list[ToolCall] = field(default_factory=list)  # a draft's: early results its reply read
     tools_sent: bool = False  # its request in flight lists tools
 
 
@@ -481,6 +482,10 @@ class RemoteDialogEngine:
         self.pool.release(parent.slot)
         child.id, child.priority, child.decode_limit = sid, parent.priority, None
         self._sessions[sid] = child
+        if self.runner is not None:  # (the early results the draft read are this reply's now)
+            for call in child.early_taken:
+                self.runner.claim(child.root, call)
+        child.early_taken = []
 
     def state_key(self, sid: int) -> int:
         """Equal keys: equal transcripts, so equal requests (and, greedy, equal replies)."""
@@ -804,6 +809,8 @@ class RemoteDialogEngine:
             result = w.future.result()
             c.segment.append(result_turn(w.call.call_id, result.output))
             waited = 0.0 if w.needed_at is None else max(0.0, result.done_at - w.needed_at)
+            if w.early and c.priority is not Priority.NORMAL:
+                c.early_taken.append(w.call)
             c.tool_events.append(ToolEvent(w.call, w.server, result, w.early, waited))
         c.waiting = []
         if c.client_calls:
@@ -917,7 +924,7 @@ def _words(text: str) -> list[str]:
 
 
 def _new_reply(c: _Conversation) -> None:
-    c.segment, c.said, c.calls_made, c.tool_events = [], 0, 0, []
+    c.segment, c.said, c.calls_made, c.tool_events, c.early_taken = [], 0, 0, [], []
 
 
 def _has_work(c: _Conversation) -> bool:
