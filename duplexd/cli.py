@@ -72,9 +72,10 @@ def load_engines(config: ServerConfig):
 
 
 def _load_tools(config: ServerConfig, dialog):
-    """`[tools] mcp_servers`: start them (or connect), list their tools, give them to the dialog engine.
+    """`[tools] mcp_servers` (and `session_mcp`): start them (or connect), list their tools, give them to the
+    dialog engine.
     Returns the hub (closed with the server), or None. Raises `McpUnavailable`."""
-    if not config.tools.servers():
+    if not config.tools.servers() and not config.tools.session_mcp:
         return None
     if not hasattr(dialog, "attach_tools"):
         log.warning('[tools] mcp_servers: tools need [dialog] backend = "remote" (the embedded model has none)')

@@ -546,8 +546,16 @@ class ToolsConfig:
     """Calls in flight at once, across sessions; more wait their turn."""
     cache_entries: int = 8
     """Early results kept per conversation for the reply to take (the oldest go, cancelled)."""
+    listen_draft_ms: int = 500
+    """With read-only server tools and `speculate`: drafts are also made while the user speaks, at most one
+    per this much speech with new words (0: only at pauses), so a read-only call the reply will make can
+    start before the user's pause (each draft is a request to the remote model)."""
     connect_timeout_s: float = 20.0
-    """Longest wait for an MCP server to start and list its tools at startup."""
+    """Longest wait for an MCP server to start and list its tools."""
+    session_mcp: str = ""
+    """Where a Realtime session's own `mcp` tools (`server_url`) may connect: URL prefixes, comma-separated
+    (e.g. `http://127.0.0.1:9000/`), or `*` for any. Empty (the default): none, those tools are logged and not
+    connected (a client would otherwise make this server connect wherever it names)."""
 
     def __post_init__(self) -> None:
         _require(self.call_timeout_s > 0, "tools.call_timeout_s", self.call_timeout_s, "> 0")
@@ -556,12 +564,13 @@ class ToolsConfig:
         _require(self.max_calls_per_turn >= 1, "tools.max_calls_per_turn", self.max_calls_per_turn, ">= 1")
         _require(self.max_concurrent_calls >= 1, "tools.max_concurrent_calls", self.max_concurrent_calls, ">= 1")
         _require(self.cache_entries >= 1, "tools.cache_entries", self.cache_entries, ">= 1")
-        for entry in self.servers():
+        _require(self.listen_draft_ms >= 0, "tools.listen_draft_ms", self.listen_draft_ms, ">= 0")
+        for label, target in self.servers():
             _require(
-                bool(entry[0]) and bool(entry[1]),
+                bool(label) and bool(target) and "@" not in label,
                 "tools.mcp_servers",
                 self.mcp_servers,
-                "label=URL or label=stdio:COMMAND entries",
+                "label=URL or label=stdio:COMMAND entries (a label without @)",
             )
 
     def servers(self) -> list[tuple[str, str]]:
@@ -572,6 +581,10 @@ class ToolsConfig:
                 label, _, target = entry.partition("=")
                 out.append((label.strip(), target.strip()))
         return out
+
+    def session_mcp_allows(self, url: str) -> bool:
+        prefixes = [p.strip() for p in self.session_mcp.split(",") if p.strip()]
+        return url.startswith(("http://", "https://")) and any(p == "*" or url.startswith(p) for p in prefixes)
 
     @property
     def read_only_names(self) -> frozenset[str]:

@@ -5,11 +5,10 @@ chunks, `finish_reason: "tool_calls"`), and decides as a tool-using model would,
 
 - the last message is the user's and the request lists `cancel_order` and the user said "cancel": it calls
   `cancel_order`; else, if it lists `lookup_order` (or any tool, with `tool_choice: "required"`), it calls
-  that with `{"order_id": KEY}`, KEY the user's word with the most digits, else their longest: the same words
-  give the same call, other words (a draft on half a sentence) another;
+  that, its first parameter KEY: the user's word with the most digits, else their longest (`{"order_id":
+  "48213"}`): the same words give the same call, other words (a draft on half a sentence) another;
 - the last message is a tool result: it answers with it ("Here is what I found. <output>");
-- `tool_choice` names a function: it calls that one, with `{}`; `prefer` names a listed tool: it calls that
-  one, as it would `lookup_order`;
+- `tool_choice` names a function, or `prefer` a listed tool: it calls that one, the same way;
 - otherwise, or with `tool_choice: "none"`: "Hello, how can I help you?".
 
 `ttft_s` delays each response's first chunk (a remote model's time to first token). Every request body is
@@ -108,7 +107,8 @@ class ScriptedToolLlm:
         self.requests.append(body)
         messages = body["messages"]
         last = messages[-1]
-        names = [t["function"]["name"] for t in body.get("tools") or []]
+        tools = {t["function"]["name"]: t["function"] for t in body.get("tools") or []}
+        names = list(tools)
         choice = body.get("tool_choice", "auto")
         if last["role"] == "tool":
             return _text(f"Here is what I found. {last['content']}")
@@ -116,16 +116,19 @@ class ScriptedToolLlm:
             return _text("Hello, how can I help you?")
         said = str(last.get("content") or "")
         if isinstance(choice, dict):  # (a named function: it must call that one)
-            return _call(choice["function"]["name"], {})
-        if self.prefer in names:
-            return _call(self.prefer, {"order_id": order_key(said)})
-        if "cancel_order" in names and "cancel" in said.lower():
-            return _call("cancel_order", {"order_id": order_key(said)})
-        if "lookup_order" in names:
-            return _call("lookup_order", {"order_id": order_key(said)})
-        if choice == "required":
-            return _call(names[0], {})
-        return _text("Hello, how can I help you?")
+            name = choice["function"]["name"]
+        elif self.prefer in names:
+            name = self.prefer
+        elif "cancel_order" in names and "cancel" in said.lower():
+            name = "cancel_order"
+        elif "lookup_order" in names:
+            name = "lookup_order"
+        elif choice == "required":
+            name = names[0]
+        else:
+            return _text("Hello, how can I help you?")
+        properties = list(((tools.get(name) or {}).get("parameters") or {}).get("properties") or {})
+        return _call(name, {properties[0]: order_key(said)} if properties else {})
 
 
 def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:

@@ -172,6 +172,76 @@ def _logged(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+# What the embedded SmolLM2-135M does with tools: its chat template has no tool format, so the tools go in
+# the system prompt in the convention of tool-tuned chat models (a JSON call inside <tool_call> tags).
+PROBE_SYSTEM = (
+    "You are a helpful assistant with tools. To use a tool, reply with only "
+    '<tool_call>{"name": TOOL, "arguments": {...}}</tool_call>. Otherwise answer in one short sentence. Tools: '
+    '[{"name": "lookup_order", "description": "Look up the status of an order by its id.", '
+    '"parameters": {"order_id": "string"}}, {"name": "get_weather", "description": "The weather in a city.", '
+    '"parameters": {"city": "string"}}]'
+)
+PROBE_NEEDS = [  # (question, tool, its argument's value)
+    ("Where is my order 48213?", "lookup_order", "48213"),
+    ("Can you check the status of order 7731?", "lookup_order", "7731"),
+    ("Has order 55501 shipped yet?", "lookup_order", "55501"),
+    ("Track my order number 90210 please.", "lookup_order", "90210"),
+    ("What is the weather in Paris?", "get_weather", "paris"),
+    ("Is it raining in London right now?", "get_weather", "london"),
+    ("How warm is it in Lisbon today?", "get_weather", "lisbon"),
+    ("What's the forecast for Tokyo?", "get_weather", "tokyo"),
+]
+PROBE_PLAIN = [
+    "Hello, how are you?",
+    "What is the capital of France?",
+    "Tell me a short joke.",
+    "Thank you, that is all.",
+]
+
+
+def smollm2_probe() -> dict[str, Any]:
+    """SmolLM2-135M's replies to questions that need a tool and ones that do not, the tools described in its
+    system prompt: how often it writes a well-formed call to the right tool with the right argument."""
+    import re
+
+    from duplexd.dialog.engine import DialogEngine, EngineConfig
+
+    engine = DialogEngine.load(EngineConfig(max_sessions=len(PROBE_NEEDS) + len(PROBE_PLAIN), max_reply_sentences=0))
+    questions = [q for q, _, _ in PROBE_NEEDS] + PROBE_PLAIN
+    sids = [engine.open(PROBE_SYSTEM) for _ in questions]
+    for sid, q in zip(sids, questions, strict=True):
+        engine.append_user_text(sid, q)
+        engine.start_reply(sid)
+    while any(engine.replying(sid) for sid in sids):
+        engine.step()
+    replies = [engine.tokenizer.decode(engine.reply_tokens(sid), skip_special_tokens=True).strip() for sid in sids]
+
+    def call(text: str) -> dict[str, Any] | None:
+        m = re.search(r"<tool_call>(.*?)(</tool_call>|$)", text, re.S)
+        try:
+            parsed = json.loads(m.group(1)) if m else None
+        except ValueError:
+            return None
+        return parsed if isinstance(parsed, dict) else None
+
+    right = formed = 0
+    for (_, tool, value), text in zip(PROBE_NEEDS, replies, strict=False):
+        c = call(text)
+        formed += c is not None
+        args = c.get("arguments") if c else None
+        right += bool(c and c.get("name") == tool and isinstance(args, dict) and value in json.dumps(args).lower())
+    false_calls = sum(call(t) is not None or "<tool_call>" in t for t in replies[len(PROBE_NEEDS) :])
+    return {
+        "chat_template_has_tool_format": False,
+        "needs_tool": len(PROBE_NEEDS),
+        "well_formed_calls": formed,
+        "right_calls": right,
+        "plain_questions": len(PROBE_PLAIN),
+        "calls_on_plain_questions": false_calls,
+        "replies": dict(zip(questions, replies, strict=True)),
+    }
+
+
 def summarize(runs: list[Run], wasted: dict[str, dict[str, int]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in MODES:
@@ -239,6 +309,7 @@ def run(
                     unsafe = asyncio.run(unsafe_pass(ports["on"], clips, pause_clip, log))
                     llm.prefer = None
     summary = summarize(runs, wasted)
+    probe = smollm2_probe()
     return {
         "benchmark": "tools",
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
@@ -248,6 +319,7 @@ def run(
         "safety": unsafe,
         "targets": targets(summary, int(unsafe.get("early_calls_unsafe") or 0)),
         "model": "scripted tool-calling server (bench/tool_llm.py), a stand-in for a remote tool-capable model",
+        "smollm2": probe,
         "runs": [asdict(r) for r in runs],
     }
 
@@ -272,6 +344,8 @@ def table(result: dict[str, Any]) -> str:
                 f"| {e['wasted_tool_calls']} |"
             )
     lines.append(f"safety: {result['safety']}")
+    probe = {k: v for k, v in result["smollm2"].items() if k != "replies"}
+    lines.append(f"SmolLM2-135M with the tools in its system prompt: {probe}")
     lines.append(f"targets: {result['targets']}")
     return "\n".join(lines)
 

@@ -346,7 +346,7 @@ class _Conversation:
 @dataclass(eq=False, slots=True)
 class _Waiting:
     call: ToolCall
-    server: str
+    spec: ToolSpec  # the server-side tool
     future: Future[ToolResult] | None  # None: held (a draft's call that may not run before the turn is final)
     early: bool  # started by a draft, during the user's turn
     needed_at: float | None = None  # (`time.perf_counter()`) when the reply, not a draft, first waited for it
@@ -515,7 +515,12 @@ class RemoteDialogEngine:
         return list(self._get(sid).reply)
 
     def busy(self, *, drafts: bool = True) -> bool:
-        return any(_has_work(c) for c in self._sessions.values() if drafts or c.priority is Priority.NORMAL)
+        """Work to step; `drafts` False: the conversations' own, and a draft's tool calls due to start (a read-
+        only call starts early only if a step takes it, and a step costs nothing here: the worker, yielding
+        drafts to the recognizer, steps for it)."""
+        return any(
+            _has_work(c) and (drafts or c.priority is Priority.NORMAL or _calls_due(c)) for c in self._sessions.values()
+        )
 
     def history(self, sid: int) -> list[dict[str, str]]:
         """The messages the next request of this conversation would send, system first."""
@@ -713,7 +718,9 @@ class RemoteDialogEngine:
         }
         if c.prefix and not c.segment:  # (vLLM's names; llama.cpp's server continues a final assistant message)
             body |= {"continue_final_message": True, "add_generation_prompt": False}
-        tools = [*(self.runner.specs if self.runner is not None else ()), *c.tools]
+        configured = self.runner.specs if self.runner is not None else []
+        named = {t.name for t in configured}
+        tools = [*configured, *(t for t in c.tools if t.name not in named)]  # (the configured servers' first)
         c.tools_sent = bool(tools) and not self.tools_refused
         if c.tools_sent:
             body["tools"] = [t.chat() for t in tools]
@@ -766,19 +773,18 @@ class RemoteDialogEngine:
         c.segment.extend(call_turn(call) for call in calls)
         runner = self.runner
         for call in calls:
-            server = runner.server_of(call.name) if runner is not None else None
-            if server is None:
+            spec = _server_tool(c, runner, call.name)
+            if spec is None or runner is None:
                 c.client_calls.append(call)
                 continue
-            assert runner is not None
             c.calls_made += 1
             if c.calls_made > runner.config.max_calls_per_turn:
                 future = runner.refuse(f"No more than {runner.config.max_calls_per_turn} tool calls in a turn.")
-                c.waiting.append(_Waiting(call, server, future, False))
+                c.waiting.append(_Waiting(call, spec, future, False))
                 continue
             early = c.priority is not Priority.NORMAL
-            future, cached = runner.start(c.root, call, early=early)
-            c.waiting.append(_Waiting(call, server, future, cached or early))
+            future, cached = runner.start(c.root, call, early=early, spec=spec)
+            c.waiting.append(_Waiting(call, spec, future, cached or early))
             if future is not None:
                 future.add_done_callback(self._tool_done)
         self._tool_round(c)
@@ -797,7 +803,7 @@ class RemoteDialogEngine:
                 if w.needed_at is None:
                     w.needed_at = now
                 if w.future is None:  # a draft's held call: the turn is final now (the draft was adopted)
-                    w.future, cached = runner.start(c.root, w.call, early=False)
+                    w.future, cached = runner.start(c.root, w.call, early=False, spec=w.spec)
                     w.early = cached
                     w.future.add_done_callback(self._tool_done)
                 elif w.early:
@@ -811,7 +817,7 @@ class RemoteDialogEngine:
             waited = 0.0 if w.needed_at is None else max(0.0, result.done_at - w.needed_at)
             if w.early and c.priority is not Priority.NORMAL:
                 c.early_taken.append(w.call)
-            c.tool_events.append(ToolEvent(w.call, w.server, result, w.early, waited))
+            c.tool_events.append(ToolEvent(w.call, w.spec.server, result, w.early, waited))
         c.waiting = []
         if c.client_calls:
             c.tool_events.extend(ToolEvent(call, "") for call in c.client_calls)
@@ -923,12 +929,24 @@ def _words(text: str) -> list[str]:
     return [*pieces[:-1], pieces[-1] + tail] if pieces else [tail] if tail else []
 
 
+def _server_tool(c: _Conversation, runner: ToolRunner | None, name: str) -> ToolSpec | None:
+    """The server-side tool `name`: one of the configured servers', else one of the conversation's own MCP
+    tools (a Realtime session's); None: the client runs it."""
+    configured = runner.spec_of(name) if runner is not None else None
+    return configured or next((t for t in c.tools if t.name == name and t.server), None)
+
+
 def _new_reply(c: _Conversation) -> None:
     c.segment, c.said, c.calls_made, c.tool_events, c.early_taken = [], 0, 0, [], []
 
 
 def _has_work(c: _Conversation) -> bool:
     return c.replying and not _at_limit(c) and not _held(c)
+
+
+def _calls_due(c: _Conversation) -> bool:
+    stream = c.stream
+    return stream is not None and stream.done and bool(stream.calls) and not stream.pieces
 
 
 def _held(c: _Conversation) -> bool:

@@ -209,6 +209,11 @@ class Conversation:
         # no echo to cancel there); set by the shell for a session that cancels its echo.
         self.echo_db: Callable[[float, float], float | None] | None = None
         self.max_reply_tokens: int | None = None  # each reply's text ends after this many tokens (None: no cap)
+        # Drafts while the user is still speaking too, at most one per this much stream time (0: only at
+        # pauses): a draft whose model calls a read-only tool starts the call early (`[tools]
+        # listen_draft_ms`; set by the shell where the model has such tools).
+        self.listen_draft_s = 0.0
+        self._listen_drafted_s = -1e9
         self._spoken: _Reply | None = None  # the last reply that ended, for `truncate`
         self._held_appends: list[AppendUserText] = []  # with auto_turns off: words not committed by the client
         self._cleared_s = 0.0  # stream time of the last `clear`: words of audio before it never reach a turn
@@ -381,6 +386,16 @@ class Conversation:
             and (p is not None or not self._llm_p_end)
         ):
             out.extend(self._drafts())
+        elif (
+            self.listen_draft_s
+            and self._speculate
+            and self.auto_respond
+            and stream_s - self._listen_drafted_s >= self.listen_draft_s
+        ):
+            drafts = self._drafts()[:1]  # (the words so far: the latest hypothesis whole)
+            if drafts:
+                self._listen_drafted_s = stream_s
+            out.extend(drafts)
         return out
 
     def _end_turn(

@@ -14,6 +14,7 @@ run at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import shlex
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from duplexd.config import ToolsConfig
@@ -38,6 +39,7 @@ class McpUnavailable(RuntimeError):
 class _Server:
     label: str
     target: str
+    headers: dict[str, str] = field(default_factory=dict)  # (streamable HTTP: e.g. Authorization)
     client: Any = None  # mcp.Client, while connected
     stop: asyncio.Event | None = None
     task: asyncio.Task[None] | None = None
@@ -46,14 +48,14 @@ class _Server:
 class McpHub:
     def __init__(self, config: ToolsConfig) -> None:
         self.config = config
-        self.specs: list[ToolSpec] = []
-        self._servers = [_Server(label, target) for label, target in config.servers()]
+        self.specs: list[ToolSpec] = []  # the configured servers' tools
+        self._servers: dict[str, _Server] = {label: _Server(label, target) for label, target in config.servers()}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="duplexd-tools", daemon=True)
         self._limit: asyncio.Semaphore | None = None
 
     def start(self) -> None:
-        """Start each server (or connect to it), and list its tools. Raises `McpUnavailable`."""
+        """Start each configured server (or connect to it), and list its tools. Raises `McpUnavailable`."""
         self._thread.start()
         future = asyncio.run_coroutine_threadsafe(self._start(), self._loop)
         try:
@@ -69,41 +71,71 @@ class McpHub:
 
     async def _start(self) -> None:
         self._limit = asyncio.Semaphore(self.config.max_concurrent_calls)
-        for server in self._servers:
-            ready: asyncio.Future[BaseException | None] = self._loop.create_future()
-            server.stop = asyncio.Event()
-            server.task = asyncio.create_task(self._hold(server, ready), name=f"mcp-{server.label}")
+        for server in list(self._servers.values()):
+            self.specs += await self._open(server)
+
+    def open(self, label: str, url: str, headers: dict[str, str] | None = None) -> Future[list[ToolSpec]]:
+        """Connect to one more server (a Realtime session's `mcp` tool; `label` unique) and list its tools;
+        raises `McpUnavailable` through the future. `close_server(label)` leaves it."""
+        if label in self._servers:
+            raise ValueError(f"MCP server {label!r} is connected already")
+        server = self._servers[label] = _Server(label, url, dict(headers or {}))
+        return asyncio.run_coroutine_threadsafe(self._open(server), self._loop)
+
+    def close_server(self, label: str) -> None:
+        server = self._servers.pop(label, None)
+        if server is not None and server.stop is not None:
+            self._loop.call_soon_threadsafe(server.stop.set)
+
+    async def _open(self, server: _Server) -> list[ToolSpec]:
+        ready: asyncio.Future[BaseException | None] = self._loop.create_future()
+        server.stop = asyncio.Event()
+        server.task = asyncio.create_task(self._hold(server, ready), name=f"mcp-{server.label}")
+        try:
+            error = await asyncio.wait_for(asyncio.shield(ready), self.config.connect_timeout_s)
+        except TimeoutError:
+            error = TimeoutError(f"no answer within {self.config.connect_timeout_s:g} s")
+        if error is None:
             try:
-                error = await asyncio.wait_for(ready, self.config.connect_timeout_s)
-            except TimeoutError:
-                error = TimeoutError(f"no answer within {self.config.connect_timeout_s:g} s")
-            if error is not None:
-                raise McpUnavailable(f"MCP server {server.label!r} ({_shown(server.target)}): {_reason(error)}")
-            tools = (await server.client.list_tools()).tools
-            specs = [
-                ToolSpec(
-                    tool.name,
-                    tool.description or "",
-                    dict(tool.input_schema or {"type": "object", "properties": {}}),
-                    server.label,
-                    read_only=tool.annotations is not None and tool.annotations.read_only_hint is True,
-                )
-                for tool in tools
-            ]
-            self.specs += specs
-            shown = ", ".join(f"{s.name}{' (read-only)' if s.read_only else ''}" for s in specs)
-            log.info("MCP server %r: %d tools: %s", server.label, len(specs), shown)
+                tools = (await server.client.list_tools()).tools
+            except Exception as exc:
+                error = exc
+        if error is not None:
+            server.stop.set()
+            self._servers.pop(server.label, None)
+            raise McpUnavailable(f"MCP server {server.label!r} ({_shown(server.target)}): {_reason(error)}")
+        specs = [
+            ToolSpec(
+                tool.name,
+                tool.description or "",
+                dict(tool.input_schema or {"type": "object", "properties": {}}),
+                server.label,
+                read_only=tool.annotations is not None and tool.annotations.read_only_hint is True,
+            )
+            for tool in tools
+        ]
+        shown = ", ".join(f"{s.name}{' (read-only)' if s.read_only else ''}" for s in specs)
+        log.info("MCP server %r: %d tools: %s", server.label, len(specs), shown)
+        return specs
 
     async def _hold(self, server: _Server, ready: asyncio.Future[BaseException | None]) -> None:
         """The server's session, entered and left in this one task (the SDK's rule)."""
         from mcp import Client, StdioServerParameters
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared._httpx_utils import create_mcp_http_client
 
-        target: Any = server.target
-        if target.startswith("stdio:"):
-            command = shlex.split(target[len("stdio:") :])
-            target = StdioServerParameters(command=command[0], args=command[1:], env=dict(os.environ))
         try:
-            async with Client(target, read_timeout_seconds=self.config.call_timeout_s) as client:
+            async with contextlib.AsyncExitStack() as stack:
+                target: Any = server.target
+                if target.startswith("stdio:"):
+                    command = shlex.split(target[len("stdio:") :])
+                    target = StdioServerParameters(command=command[0], args=command[1:], env=dict(os.environ))
+                elif server.headers:
+                    http = await stack.enter_async_context(create_mcp_http_client(headers=server.headers))
+                    target = streamable_http_client(target, http_client=http)
+                client = await stack.enter_async_context(
+                    Client(target, read_timeout_seconds=self.config.call_timeout_s)
+                )
                 server.client = client
                 ready.set_result(None)
                 assert server.stop is not None
@@ -127,11 +159,11 @@ class McpHub:
             args = None
         if not isinstance(args, dict):
             return ToolResult("The arguments are not a JSON object.", error=True, done_at=time.perf_counter())
-        server = next(s for s in self._servers if s.label == spec.server)
+        server = self._servers.get(spec.server)
         assert self._limit is not None
         async with self._limit:
-            if server.client is None:
-                return ToolResult(f"The tool's server ({server.label}) is not connected.", error=True, done_at=t0)
+            if server is None or server.client is None:
+                return ToolResult(f"The tool's server ({spec.server}) is not connected.", error=True, done_at=t0)
             try:
                 async with asyncio.timeout(self.config.call_timeout_s + 1):  # (the SDK's own comes first)
                     result = await server.client.call_tool(
@@ -160,10 +192,11 @@ class McpHub:
             return
 
         async def stop() -> None:
-            for server in self._servers:
+            servers = list(self._servers.values())
+            for server in servers:
                 if server.stop is not None:
                     server.stop.set()
-            tasks = [s.task for s in self._servers if s.task is not None]
+            tasks = [s.task for s in servers if s.task is not None]
             if tasks:
                 await asyncio.wait(tasks, timeout=5)
 

@@ -61,21 +61,24 @@ class ToolRunner:
             "held": 0,  # calls a draft made that were held until the turn was final
         }
 
-    def server_of(self, name: str) -> str | None:
-        """The label of the MCP server that runs tool `name` (None: not a server-side tool)."""
-        spec = self._by_name.get(name)
-        return None if spec is None else spec.server
+    def spec_of(self, name: str) -> ToolSpec | None:
+        """The configured servers' tool `name` (None: not one of theirs)."""
+        return self._by_name.get(name)
 
-    def may_run_early(self, name: str) -> bool:
-        spec = self._by_name.get(name)
-        return self.config.speculate and spec is not None and spec.read_only
+    def may_run_early(self, spec: ToolSpec) -> bool:
+        allowed = self.config.read_only_names
+        known = spec.read_only or spec.name in allowed or f"{spec.server}.{spec.name}" in allowed
+        return self.config.speculate and known
 
-    def start(self, owner: int, call: ToolCall, *, early: bool) -> tuple[Future[ToolResult] | None, bool]:
+    def start(
+        self, owner: int, call: ToolCall, *, early: bool, spec: ToolSpec | None = None
+    ) -> tuple[Future[ToolResult] | None, bool]:
         """The call's result to come, and whether it was started early. A reply's call (`early` False)
         takes an early result of the identical call if there is one (`claim`), else starts it; a draft's
         (`early` True) starts only if it may run before the turn is final (else (None, False): held),
-        or joins the identical early call already running."""
-        spec = self._by_name[call.name]
+        or joins the identical early call already running. `spec`: the tool (default: the configured
+        servers' of that name; a session's own MCP tools are given)."""
+        spec = spec or self._by_name[call.name]
         with self._lock:
             kept = self._early.get(owner)
             future = kept.get(call.key) if kept is not None else None
@@ -85,7 +88,7 @@ class ToolRunner:
                 return future, True
             if future is not None:
                 return future, True
-            if early and not self.may_run_early(call.name):
+            if early and not self.may_run_early(spec):
                 self.stats["held"] += 1
                 return None, False
             self.stats["calls"] += 1

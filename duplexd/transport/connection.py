@@ -504,13 +504,17 @@ class Connection:
 
     def _new_conversation(self) -> cv.Conversation:
         spec, config, dialog = self.server.config.speculation, self.server.config, self.server.dialog
-        return cv.Conversation(
+        conversation = cv.Conversation(
             config.turn,
             config.tts,
             speculate=spec.enabled,
             drafts=spec.drafts_per_session,
             llm_p_end=dialog is None or dialog.engine.reports_p_end,
         )
+        runner = None if dialog is None else getattr(dialog.engine, "runner", None)
+        if runner is not None and any(runner.may_run_early(s) for s in runner.specs):
+            conversation.listen_draft_s = config.tools.listen_draft_ms / 1000  # (read-only calls start early)
+        return conversation
 
     async def run_vad(self, session: Session, chunks: Any) -> None:
         far = None

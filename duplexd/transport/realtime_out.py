@@ -268,7 +268,7 @@ class RealtimeOut:
                 "id": item_id,
                 "object": "realtime.item",
                 "type": "mcp_call",
-                "server_label": call.server,
+                "server_label": call.server.partition("@")[0],  # (a session's own: `label@session`)
                 "name": call.name,
                 "arguments": "",
                 "approval_request_id": None,

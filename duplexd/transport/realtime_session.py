@@ -47,6 +47,7 @@ from duplexd.transport.connection import Connection
 from duplexd.transport.outbox import CLOSE_POLICY, Closing
 from duplexd.transport.realtime_context import LlmContext
 from duplexd.transport.realtime_items import Items, chat_tool_choice, function_specs, render
+from duplexd.transport.realtime_mcp import SessionMcp
 from duplexd.transport.realtime_oob import OutOfBand
 from duplexd.transport.realtime_out import (
     Ids,
@@ -87,6 +88,24 @@ class RealtimeCodec:
         self.context = LlmContext(conn, self.items, self.out, self.settings)  # (the LLM's follows the items)
         self._oob: OutOfBand | None = None  # the responses outside the conversation (a dialog model only)
         self._vad_defaults = VadDefaults.of(server.config)
+        self.mcp: SessionMcp | None = None  # the session's own `mcp` tools' servers
+
+    def _mcp(self) -> SessionMcp:
+        if self.mcp is None:
+            session = self.conn.session
+            self.mcp = SessionMcp(
+                session.id if session is not None else "-",
+                self.conn.server.engines_tools,
+                self.out,
+                self.conn.send,
+                self._give_tools,
+            )
+        return self.mcp
+
+    def _give_tools(self) -> None:
+        """The session's tools to the model: its functions, and its MCP servers' tools (once listed)."""
+        specs = function_specs(self.settings.tools) + (self.mcp.specs() if self.mcp is not None else ())
+        self.conn.dispatch([SetTools(specs, chat_tool_choice(self.settings.tool_choice))], time.monotonic())
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -112,6 +131,8 @@ class RealtimeCodec:
         self._apply_turn_detection(conversation, self.settings.turn_detection)
 
     def release(self) -> None:
+        if self.mcp is not None:
+            self.mcp.close()  # (its MCP connections)
         if self._oob is not None:
             self._oob.close()  # (their dialog sessions: the client is gone)
 
@@ -297,12 +318,9 @@ class RealtimeCodec:
             self.settings.tool_choice = u.tool_choice
         if u.tools is not None:
             self.settings.tools = u.tools
-            ignored += [f"session.tools[{i}] (mcp)" for i, t in enumerate(u.tools) if t["type"] == "mcp"]
+            ignored += self._mcp().update(u.tools)
         if u.tools is not None or u.tool_choice is not None:
-            self.conn.dispatch(
-                [SetTools(function_specs(self.settings.tools), chat_tool_choice(self.settings.tool_choice))],
-                time.monotonic(),
-            )
+            self._give_tools()
         if u.turn_detection is not False:
             td = u.turn_detection
             assert td is None or isinstance(td, rt.TurnDetection)

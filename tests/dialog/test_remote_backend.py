@@ -580,3 +580,25 @@ async def test_a_server_that_refuses_to_continue_is_asked_again_without_the_word
     assert seen[0]["continue_final_message"] is True and seen[0]["add_generation_prompt"] is False
     assert [("continue_final_message" in b) for b in seen] == [True, False, False]
     assert seen[1]["messages"][-1]["role"] == "user"
+
+
+@slow
+async def test_a_server_whose_model_has_no_tool_format_gets_the_request_again_without_tools(
+    llm_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SmolLM2-135M's chat template has no tool format, and `duplexd serve-llm` refuses `tools` (HTTP 400, as
+    vLLM does without a tool parser): the reply is asked again without them, and no later request sends
+    them; the reply is the one the model gives without tools."""
+    from duplexd.tools.calls import ToolSpec
+
+    plain = await _reply(remote_engine(llm_url), TURNS[0])
+    engine = remote_engine(llm_url)
+    sid = engine.open()
+    engine.set_tools(sid, [ToolSpec("get_weather", "The weather in a city.")])
+    engine.append_user_text(sid, TURNS[0])
+    engine.start_reply(sid)
+    while engine.replying(sid):
+        await asyncio.to_thread(engine.step)
+    assert engine.tokenizer.decode(engine.reply_tokens(sid)) == plain
+    assert engine.tools_refused and engine.stats["failed"] == 0 and engine.take_tool_events(sid) == []
+    assert "does not take tools" in caplog.text

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from duplexd.bench.orders_mcp import status_of
-from duplexd.bench.tool_llm import ScriptedToolLlm
+from duplexd.bench.tool_llm import ScriptedToolLlm, order_key
 from duplexd.config import ServerConfig, ToolsConfig
 from duplexd.dialog.remote import RemoteConfig, RemoteDialogEngine
 from duplexd.tools.mcp import McpHub
@@ -83,7 +83,8 @@ async def test_realtime_function_calls_and_mcp_calls_through_the_openai_client(e
                 kinds = [e.type for e in events]
                 assert "session.updated" in kinds and done.status == "completed" and text == ""
                 [args_done] = [e for e in events if e.type == "response.function_call_arguments.done"]
-                assert args_done.name == "get_weather" and args_done.arguments == "{}"
+                assert args_done.name == "get_weather"
+                assert json.loads(args_done.arguments) == {"city": order_key("Weather in Paris?")}
                 call = done.output[-1]
                 assert (call.type, call.name, call.call_id) == ("function_call", "get_weather", args_done.call_id)
                 assert kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.delta")
@@ -122,3 +123,59 @@ async def test_realtime_function_calls_and_mcp_calls_through_the_openai_client(e
             stop.set()
             await asyncio.wait_for(task, 30)
     assert not hub._thread.is_alive()  # (closed with the server)
+
+
+async def test_a_sessions_own_mcp_tool_is_listed_and_called_where_the_server_allows_it(engines, tmp_path) -> None:
+    """`session.tools` of type `mcp` (as OpenAI's API takes them): a URL `[tools] session_mcp` allows is
+    connected (streamable HTTP), listed as an `mcp_list_tools` item, and its tools called by duplexd; one it
+    does not allow is accepted with no error and never connected."""
+    openai = pytest.importorskip("openai")
+    from duplexd.bench.tools import orders_server
+    from duplexd.transport.server import Server
+
+    log = tmp_path / "calls.jsonl"
+    with ScriptedToolLlm() as llm, orders_server(100, log) as url:
+        tools = ToolsConfig(session_mcp="http://127.0.0.1:")
+        config = ServerConfig()
+        config = dataclasses.replace(config, transport=dataclasses.replace(config.transport, port=0), tools=tools)
+        remote = RemoteDialogEngine(RemoteConfig(url=llm.url, model="scripted"))
+        hub = McpHub(tools)
+        await asyncio.to_thread(hub.start)
+        remote.attach_tools(ToolRunner(hub, tools))
+        server = Server(config, dataclasses.replace(engines, dialog=remote, tools=hub))
+        stop = asyncio.Event()
+        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(server.run(stop, ready=ready))
+        try:
+            port = await asyncio.wait_for(ready, 30)
+            client = openai.AsyncOpenAI(api_key="x", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
+            async with client.realtime.connect(model="duplexd") as conn:
+                shop = {"type": "mcp", "server_label": "shop", "server_url": url, "require_approval": "never"}
+                elsewhere = {"type": "mcp", "server_label": "far", "server_url": "http://10.255.255.1/mcp"}
+                await conn.session.update(
+                    session={"type": "realtime", "output_modalities": ["text"], "tools": [shop, elsewhere]}
+                )
+                listed = None
+                async with asyncio.timeout(30):
+                    async for event in conn:
+                        assert event.type not in ("error", "mcp_list_tools.failed"), event
+                        if event.type == "conversation.item.done" and event.item.type == "mcp_list_tools":
+                            listed = event.item
+                            break
+                assert listed.server_label == "shop"
+                assert {t.name for t in listed.tools} == {"lookup_order", "cancel_order"}
+                user = {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Where is order 4242?"}],
+                }
+                await conn.conversation.item.create(item=user)
+                await conn.response.create()
+                text, _, done = await _response(conn)
+                call = done.output[-1]
+                assert (call.type, call.server_label, call.name) == ("mcp_call", "shop", "lookup_order")
+                assert text == f"Here is what I found. Order 4242 is {status_of('4242')}."
+                assert {t["function"]["name"] for t in llm.requests[-2]["tools"]} == {"lookup_order", "cancel_order"}
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
