@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from duplexd.config import AsrConfig, ServerConfig, TransportConfig, VadConfig, load_config
+from duplexd.config import AsrConfig, ServerConfig, ToolsConfig, TransportConfig, VadConfig, load_config
 
 INVALID = [
     # (class, kwargs, the field the error names)
@@ -42,6 +42,13 @@ INVALID = [
     (TransportConfig, {"max_errors": 0}, "transport.max_errors"),
     (TransportConfig, {"max_sessions": 0}, "transport.max_sessions"),
     (TransportConfig, {"max_queued_audio_s": 0.5}, "transport.max_queued_audio_s"),
+    (ToolsConfig, {"mcp_servers": "orders"}, "tools.mcp_servers"),  # no target
+    (ToolsConfig, {"mcp_servers": "a@b=http://x/mcp"}, "tools.mcp_servers"),  # (@ marks a session's own)
+    (ToolsConfig, {"call_timeout_s": 0.0}, "tools.call_timeout_s"),
+    (ToolsConfig, {"max_result_chars": 10}, "tools.max_result_chars"),
+    (ToolsConfig, {"max_calls_per_turn": 0}, "tools.max_calls_per_turn"),
+    (ToolsConfig, {"cache_entries": 0}, "tools.cache_entries"),
+    (ToolsConfig, {"listen_draft_ms": -1}, "tools.listen_draft_ms"),
 ]
 
 

@@ -286,3 +286,17 @@ def test_calls_beyond_the_turns_limit_are_answered_with_an_error(llm, hub) -> No
     engine.start_reply(sid)
     _reply(engine, sid)
     assert runner.stats["calls"] == 1
+
+
+def test_an_oversized_result_is_cut_and_marked(orders_log, monkeypatch) -> None:
+    monkeypatch.setenv("DUPLEXD_ORDERS_LOG", str(orders_log))
+    small = McpHub(ToolsConfig(mcp_servers=ORDERS, max_result_chars=64))
+    small.start()
+    try:
+        spec = next(s for s in small.specs if s.name == "lookup_order")
+        result = small.call(spec, json.dumps({"order_id": "9" * 200})).result(10)
+        assert not result.error and result.output.startswith("Order 999")
+        whole = f"Order {'9' * 200} is {status_of('9' * 200)}."
+        assert result.output == whole[:64] + f" [cut: the result was {len(whole)} characters]"
+    finally:
+        small.close()
