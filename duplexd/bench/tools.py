@@ -136,11 +136,13 @@ async def ask(ports: dict[str, int], latency_ms: int, clips: list[Any]) -> list[
     return runs
 
 
-async def unsafe_pass(port: int, clips: list[Any], pause_clip: Path | None, log: Path) -> dict[str, Any]:
-    """Every question, and `pause_clip` with pauses in mid-sentence, asked of a server whose model calls the
+async def unsafe_pass(
+    port: int, clips: list[Any], pause_clip: Path | None, log: Path, pauses: tuple[float, ...] = PAUSES_S
+) -> dict[str, Any]:
+    """Every question, and `pause_clip` with `pauses` in mid-sentence, asked of a server whose model calls the
     state-changing tool: cancellations the MCP server saw before the client heard the turn end."""
     said: list[tuple[str, np.ndarray, float]] = [(c.path.name, *_say(c.path)) for c in clips]
-    for pause_s in PAUSES_S if pause_clip is not None else ():
+    for pause_s in pauses if pause_clip is not None else ():
         assert pause_clip is not None
         paused, _ = sc.with_pause(sc.load(pause_clip), *sc.PAUSE_AT_S, pause_s)
         audio = np.concatenate([sc.silence(0.5), paused])

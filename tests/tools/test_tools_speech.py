@@ -61,7 +61,7 @@ async def test_spoken_questions_take_early_results_and_state_changing_calls_wait
         ):
             runs = await ask({"on": on, "off": off}, 300, asked)
             llm.prefer = "cancel_order"
-            safety = await unsafe_pass(on, asked, pause_clip, log)
+            safety = await unsafe_pass(on, asked, pause_clip, log, pauses=(0.6,))  # (bench tools: 0.4, 0.6, 0.8)
     by_mode = {mode: {r.clip: r for r in runs if r.mode == mode} for mode in ("on", "off")}
     for clip in by_mode["on"]:
         yes, no = by_mode["on"][clip], by_mode["off"][clip]
@@ -70,7 +70,7 @@ async def test_spoken_questions_take_early_results_and_state_changing_calls_wait
             assert yes.arguments == no.arguments and yes.reply_text == no.reply_text
         assert yes.reply_text.startswith("Here is what I found. Order ")
     assert on_runner.stats["early_used"] >= len(asked)
-    assert safety["conversations"] == len(asked) + 3
+    assert safety["conversations"] == len(asked) + 1
     assert safety["cancel_calls"] >= safety["conversations"]  # (a pause may end a turn: more calls, each after one)
     assert safety["held_by_drafts"] >= 1  # drafts did call it, and were held
     assert safety["early_calls_unsafe"] == 0
