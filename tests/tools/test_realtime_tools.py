@@ -5,7 +5,6 @@ real MCP server (`bench/orders_mcp.py`, stdio)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import sys
 from typing import Any
@@ -14,10 +13,7 @@ import pytest
 
 from duplexd.bench.orders_mcp import status_of
 from duplexd.bench.tool_llm import ScriptedToolLlm, order_key
-from duplexd.config import ServerConfig, ToolsConfig
-from duplexd.dialog.remote import RemoteConfig, RemoteDialogEngine
-from duplexd.tools.mcp import McpHub
-from duplexd.tools.runner import ToolRunner
+from duplexd.config import ToolsConfig
 
 pytestmark = pytest.mark.slow
 
@@ -43,25 +39,15 @@ async def _response(conn: Any) -> tuple[str, list[Any], Any]:
     raise AssertionError("no response.done")
 
 
-async def test_realtime_function_calls_and_mcp_calls_through_the_openai_client(engines, tmp_path, monkeypatch) -> None:
+async def test_realtime_function_calls_and_mcp_calls_through_the_openai_client(
+    tool_server, tmp_path, monkeypatch
+) -> None:
     openai = pytest.importorskip("openai")
-    from duplexd.transport.server import Server
 
     monkeypatch.setenv("DUPLEXD_ORDERS_LOG", str(tmp_path / "calls.jsonl"))
     tools = ToolsConfig(mcp_servers=f"orders=stdio:{sys.executable} -m duplexd.bench.orders_mcp")
-    config = ServerConfig()
-    config = dataclasses.replace(config, transport=dataclasses.replace(config.transport, port=0), tools=tools)
     with ScriptedToolLlm() as llm:
-        remote = RemoteDialogEngine(RemoteConfig(url=llm.url, model="scripted"))
-        hub = McpHub(tools)
-        await asyncio.to_thread(hub.start)
-        remote.attach_tools(ToolRunner(hub, tools))
-        server = Server(config, dataclasses.replace(engines, dialog=remote, tools=hub))
-        stop = asyncio.Event()
-        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(server.run(stop, ready=ready))
-        try:
-            port = await asyncio.wait_for(ready, 30)
+        async with tool_server(llm.url, tools) as (port, runner):
             client = openai.AsyncOpenAI(api_key="x", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
             async with client.realtime.connect(model="duplexd") as conn:
                 await conn.session.update(
@@ -119,35 +105,19 @@ async def test_realtime_function_calls_and_mcp_calls_through_the_openai_client(e
                 assert mcp_call.output == f"Order 5150 is {status_of('5150')}." and mcp_call.error is None
                 kinds = [e.type for e in events]
                 assert "response.mcp_call.completed" in kinds and "response.mcp_call_arguments.done" in kinds
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 30)
-    assert not hub._thread.is_alive()  # (closed with the server)
+    assert not runner.host._thread.is_alive()  # (the hub closed with the server)
 
 
-async def test_a_sessions_own_mcp_tool_is_listed_and_called_where_the_server_allows_it(engines, tmp_path) -> None:
+async def test_a_sessions_own_mcp_tool_is_listed_and_called_where_the_server_allows_it(tool_server, tmp_path) -> None:
     """`session.tools` of type `mcp` (as OpenAI's API takes them): a URL `[tools] session_mcp` allows is
     connected (streamable HTTP), listed as an `mcp_list_tools` item, and its tools called by duplexd; one it
     does not allow is accepted with no error and never connected."""
     openai = pytest.importorskip("openai")
     from duplexd.bench.tools import orders_server
-    from duplexd.transport.server import Server
 
     log = tmp_path / "calls.jsonl"
     with ScriptedToolLlm() as llm, orders_server(100, log) as url:
-        tools = ToolsConfig(session_mcp="http://127.0.0.1:")
-        config = ServerConfig()
-        config = dataclasses.replace(config, transport=dataclasses.replace(config.transport, port=0), tools=tools)
-        remote = RemoteDialogEngine(RemoteConfig(url=llm.url, model="scripted"))
-        hub = McpHub(tools)
-        await asyncio.to_thread(hub.start)
-        remote.attach_tools(ToolRunner(hub, tools))
-        server = Server(config, dataclasses.replace(engines, dialog=remote, tools=hub))
-        stop = asyncio.Event()
-        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(server.run(stop, ready=ready))
-        try:
-            port = await asyncio.wait_for(ready, 30)
+        async with tool_server(llm.url, ToolsConfig(session_mcp="http://127.0.0.1:")) as (port, _):
             client = openai.AsyncOpenAI(api_key="x", websocket_base_url=f"ws://127.0.0.1:{port}/v1")
             async with client.realtime.connect(model="duplexd") as conn:
                 shop = {"type": "mcp", "server_label": "shop", "server_url": url, "require_approval": "never"}
@@ -176,6 +146,3 @@ async def test_a_sessions_own_mcp_tool_is_listed_and_called_where_the_server_all
                 assert (call.type, call.server_label, call.name) == ("mcp_call", "shop", "lookup_order")
                 assert text == f"Here is what I found. Order 4242 is {status_of('4242')}."
                 assert {t["function"]["name"] for t in llm.requests[-2]["tools"]} == {"lookup_order", "cancel_order"}
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 30)

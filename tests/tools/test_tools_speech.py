@@ -6,9 +6,6 @@ pauses in mid-sentence. In-process servers on the session's models (`bench tools
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,47 +14,21 @@ from duplexd.bench import scenarios as sc
 from duplexd.bench.dual_path import questions
 from duplexd.bench.tool_llm import ScriptedToolLlm
 from duplexd.bench.tools import ask, orders_server, unsafe_pass
-from duplexd.config import ServerConfig, ToolsConfig
-from duplexd.dialog.remote import RemoteConfig, RemoteDialogEngine
-from duplexd.tools.mcp import McpHub
-from duplexd.tools.runner import ToolRunner
+from duplexd.config import ToolsConfig
 
 pytestmark = pytest.mark.slow
 
 
-@contextlib.asynccontextmanager
-async def _server(engines, llm_url: str, tools: ToolsConfig):
-    from duplexd.transport.server import Server
-
-    config = ServerConfig()
-    config = dataclasses.replace(config, transport=dataclasses.replace(config.transport, port=0), tools=tools)
-    remote = RemoteDialogEngine(
-        RemoteConfig.from_config(dataclasses.replace(config.dialog, backend="remote", remote_url=llm_url))
-    )
-    hub = McpHub(tools)
-    await asyncio.to_thread(hub.start)
-    remote.attach_tools(ToolRunner(hub, tools))
-    server = Server(config, dataclasses.replace(engines, dialog=remote, tools=hub))
-    stop = asyncio.Event()
-    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(server.run(stop, ready=ready))
-    try:
-        yield await asyncio.wait_for(ready, 30), remote.runner
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-
-
 async def test_spoken_questions_take_early_results_and_state_changing_calls_wait_for_the_turn(
-    engines, clips, tmp_path: Path
+    tool_server, clips, tmp_path: Path
 ) -> None:
     asked = questions(clips, quick=True)
     pause_clip = next(c.path for c in clips if c.path.name == sc.PAUSE_CLIP)
     log = tmp_path / "calls.jsonl"
     with ScriptedToolLlm() as llm, orders_server(300, log) as url:
         async with (
-            _server(engines, llm.url, ToolsConfig(mcp_servers=f"orders={url}")) as (on, on_runner),
-            _server(engines, llm.url, ToolsConfig(mcp_servers=f"orders={url}", speculate=False)) as (off, _),
+            tool_server(llm.url, ToolsConfig(mcp_servers=f"orders={url}")) as (on, on_runner),
+            tool_server(llm.url, ToolsConfig(mcp_servers=f"orders={url}", speculate=False)) as (off, _),
         ):
             runs = await ask({"on": on, "off": off}, 300, asked)
             llm.prefer = "cancel_order"
