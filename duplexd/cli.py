@@ -73,8 +73,7 @@ def load_engines(config: ServerConfig):
 
 def _load_tools(config: ServerConfig, dialog):
     """`[tools] mcp_servers` (and `session_mcp`): start them (or connect), list their tools, give them to the
-    dialog engine.
-    Returns the hub (closed with the server), or None. Raises `McpUnavailable`."""
+    dialog engine. Returns the hub (closed with the server), or None. Raises `McpUnavailable`."""
     if not config.tools.servers() and not config.tools.session_mcp:
         return None
     if not hasattr(dialog, "attach_tools"):

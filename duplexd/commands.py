@@ -46,11 +46,12 @@ class ReplaceContext:
 
 @dataclass(frozen=True, slots=True)
 class SetTools:
-    """The tools the client gives the model (it runs their calls), and its `tool_choice` ("auto", "none",
-    "required", or a tool's name); each a `tools.calls.ToolSpec`, typed loosely to keep this a leaf."""
+    """The tools the client gives the model (each a `tools.calls.ToolSpec`, typed loosely to keep this a leaf),
+    and its `tool_choice` as chat completions takes it ("auto", "none", "required", or `{type: function,
+    function: {name}}`)."""
 
     tools: tuple[object, ...]
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, object] = "auto"
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,27 +130,38 @@ class Run:
     turn_end_to_first_audio_s: float | None
 
 
-def _measure(mode: str, delay_ms: int, clip: Clip, result: ConversationResult, eos_s: float) -> Run:
+def first_audio(result: ConversationResult, eos_s: float) -> tuple[str, float | None, float | None]:
+    """The first turn's text, and the client's seconds from the end of speech (`eos_s`, stream time) and from
+    `turn.ended` to the first reply audio (None: no such event, or no audio)."""
     eos = result.wall_time(eos_s)
     turns = result.of_type("turn.ended")
     turn = turns[0].t if turns else None
     audio = result.audio[0].t if result.audio else None
+    return (
+        turns[0].event["text"] if turns else "",
+        None if eos is None or audio is None else round(audio - eos, 3),
+        None if turn is None or audio is None else round(audio - turn, 3),
+    )
+
+
+def _measure(mode: str, delay_ms: int, clip: Clip, result: ConversationResult, eos_s: float) -> Run:
+    turn_text, eos_to_audio, turn_to_audio = first_audio(result, eos_s)
     done = [r.event for r in result.of_type("reply.done") if r.event["reply"] == 1]
     relayed = [r.event for r in result.of_type("reply.relayed") if r.event["reply"] == 1]
     return Run(
         mode=mode,
         delay_ms=delay_ms,
         clip=clip.path.name,
-        turn_text=turns[0].event["text"] if turns else "",
+        turn_text=turn_text,
         reply_text="".join(r.event["text"] for r in result.of_type("reply.delta") if r.event["reply"] == 1),
         done_text=done[0]["text"] if done else None,
         prefix=relayed[0]["text"] if relayed else None,
-        eos_to_first_audio_s=None if eos is None or audio is None else round(audio - eos, 3),
-        turn_end_to_first_audio_s=None if turn is None or audio is None else round(audio - turn, 3),
+        eos_to_first_audio_s=eos_to_audio,
+        turn_end_to_first_audio_s=turn_to_audio,
     )
 
 
-def _until_reply_done(events: list[Any]) -> bool:
+def until_reply_done(events: list[Any]) -> bool:
     return any(r.event["type"] == "reply.done" for r in events)
 
 
@@ -171,7 +182,7 @@ async def _conversations(
             eos_s = sc.speech_end_s(audio)
             for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
                 url = f"ws://127.0.0.1:{ports[mode]}/v1/stream"
-                result = await converse_pcm(url, audio, sc.RATE, max_s=60, until=_until_reply_done)
+                result = await converse_pcm(url, audio, sc.RATE, max_s=60, until=until_reply_done)
                 r = _measure(mode, delay, clip, result, eos_s)
                 runs.append(r)
                 print(

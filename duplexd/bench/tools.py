@@ -42,7 +42,7 @@ import numpy as np
 
 from duplexd.bench import scenarios as sc
 from duplexd.bench import write_result
-from duplexd.bench.dual_path import questions
+from duplexd.bench.dual_path import first_audio, questions, until_reply_done
 from duplexd.bench.server import child_process, health, server_process
 from duplexd.bench.tool_llm import ScriptedToolLlm
 from duplexd.clients.clips import load_clips
@@ -88,29 +88,22 @@ def orders_server(latency_ms: int, log: Path):
 
 
 def _measure(mode: str, latency_ms: int, clip: str, result: ConversationResult, eos_s: float) -> Run:
-    eos = result.wall_time(eos_s)
-    turns = result.of_type("turn.ended")
-    turn = turns[0].t if turns else None
-    audio = result.audio[0].t if result.audio else None
+    turn_text, eos_to_audio, turn_to_audio = first_audio(result, eos_s)
     calls = [r.event for r in result.of_type("reply.tool") if r.event["reply"] == 1]
     call = calls[0] if calls else None
     return Run(
         mode=mode,
         latency_ms=latency_ms,
         clip=clip,
-        turn_text=turns[0].event["text"] if turns else "",
+        turn_text=turn_text,
         reply_text="".join(r.event["text"] for r in result.of_type("reply.delta") if r.event["reply"] == 1),
         tool=None if call is None else call["name"],
         arguments=None if call is None else call["arguments"],
         early=bool(call and call["early"]),
         waited_ms=None if call is None else call["waited_ms"],
-        eos_to_first_audio_s=None if eos is None or audio is None else round(audio - eos, 3),
-        turn_end_to_first_audio_s=None if turn is None or audio is None else round(audio - turn, 3),
+        eos_to_first_audio_s=eos_to_audio,
+        turn_end_to_first_audio_s=turn_to_audio,
     )
-
-
-def _until_reply_done(events: list[Any]) -> bool:
-    return any(r.event["type"] == "reply.done" for r in events)
 
 
 def _say(clip_path: Path) -> tuple[np.ndarray, float]:
@@ -125,7 +118,7 @@ async def ask(ports: dict[str, int], latency_ms: int, clips: list[Any]) -> list[
         audio, eos_s = _say(clip.path)
         for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
             url = f"ws://127.0.0.1:{ports[mode]}/v1/stream"
-            result = await converse_pcm(url, audio, sc.RATE, max_s=60, until=_until_reply_done)
+            result = await converse_pcm(url, audio, sc.RATE, max_s=60, until=until_reply_done)
             r = _measure(mode, latency_ms, clip.path.name, result, eos_s)
             runs.append(r)
             print(
@@ -152,7 +145,7 @@ async def unsafe_pass(
     for name, audio, _ in said:
         before = len(_logged(log))
         result = await converse_pcm(
-            f"ws://127.0.0.1:{port}/v1/stream", audio, sc.RATE, max_s=60, until=_until_reply_done
+            f"ws://127.0.0.1:{port}/v1/stream", audio, sc.RATE, max_s=60, until=until_reply_done
         )
         await asyncio.sleep(0.5)  # (a call made after the reply's end would be logged by now)
         turn_ends = [wall + r.t for r in result.of_type("turn.ended")]

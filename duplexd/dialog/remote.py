@@ -48,7 +48,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from duplexd.config import DialogConfig
 from duplexd.dialog.engine import Priority, UnknownSession
@@ -331,7 +331,7 @@ class _Conversation:
     stream: _Stream | None = None
     root: int = 0  # the conversation a draft was forked from (the one its early tool results are kept for)
     tools: tuple[ToolSpec, ...] = ()  # the client's own (Realtime `function` tools), besides the server's
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, Any] = "auto"  # (as chat completions takes it)
     tools_version: int = 0
     segment: list[tuple[str, str]] = field(default_factory=list)  # the reply's tool exchange so far (turns)
     said: int = 0  # reply pieces whose words are in `segment` already
@@ -421,7 +421,7 @@ class RemoteDialogEngine:
         """Server-side tools: every conversation's model may call them, and duplexd runs them (`runner`)."""
         self.runner = runner
 
-    def set_tools(self, sid: int, tools: Sequence[ToolSpec], tool_choice: str = "auto") -> None:
+    def set_tools(self, sid: int, tools: Sequence[ToolSpec], tool_choice: str | dict[str, Any] = "auto") -> None:
         """The client's own tools for this conversation (it runs their calls), from its next request on."""
         c = self._get(sid)
         c.tools, c.tool_choice = tuple(tools), tool_choice
@@ -718,9 +718,7 @@ class RemoteDialogEngine:
         }
         if c.prefix and not c.segment:  # (vLLM's names; llama.cpp's server continues a final assistant message)
             body |= {"continue_final_message": True, "add_generation_prompt": False}
-        configured = self.runner.specs if self.runner is not None else []
-        named = {t.name for t in configured}
-        tools = [*configured, *(t for t in c.tools if t.name not in named)]  # (the configured servers' first)
+        tools = _offered(c, self.runner)
         c.tools_sent = bool(tools) and not self.tools_refused
         if c.tools_sent:
             body["tools"] = [t.chat() for t in tools]
@@ -929,11 +927,17 @@ def _words(text: str) -> list[str]:
     return [*pieces[:-1], pieces[-1] + tail] if pieces else [tail] if tail else []
 
 
+def _offered(c: _Conversation, runner: ToolRunner | None) -> list[ToolSpec]:
+    """The tools the model is given: the configured servers', then the conversation's own (a Realtime
+    session's functions and MCP tools) but for a name the configured ones have."""
+    configured = runner.specs if runner is not None else []
+    named = {t.name for t in configured}
+    return [*configured, *(t for t in c.tools if t.name not in named)]
+
+
 def _server_tool(c: _Conversation, runner: ToolRunner | None, name: str) -> ToolSpec | None:
-    """The server-side tool `name`: one of the configured servers', else one of the conversation's own MCP
-    tools (a Realtime session's); None: the client runs it."""
-    configured = runner.spec_of(name) if runner is not None else None
-    return configured or next((t for t in c.tools if t.name == name and t.server), None)
+    """The server-side tool `name` among those offered; None: the client runs it."""
+    return next((t for t in _offered(c, runner) if t.name == name and t.server), None)
 
 
 def _new_reply(c: _Conversation) -> None:

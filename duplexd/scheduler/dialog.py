@@ -34,6 +34,7 @@ from duplexd.dialog.engine import Priority
 from duplexd.dialog.kv_window import PoolFull
 from duplexd.dialog.speculation import Draft, HypothesisPool
 from duplexd.errors import Overloaded
+from duplexd.tools.calls import TOOL_ROLES
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ _YIELD_POLL_S = 0.01
 _DRAFT_SHOWN_AT = 6  # reply tokens: a first spoken piece (two words, or a short clause) is in them
 
 DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply | ReplaceContext | SetTools
-_TOOL_ROLES = ("tool_call", "tool")  # (`tools.calls`: turns of a tool exchange, for engines that take tools)
 
 
 class ModelNamed(Protocol):
@@ -496,7 +496,7 @@ class DialogWorker:
                     return
                 self._drop(self._pool.clear(sid))  # drafts of the old context
                 if not getattr(engine, "takes_tools", False):  # (the embedded model has no tool format)
-                    turns = tuple(t for t in turns if t[0] not in _TOOL_ROLES)
+                    turns = tuple(t for t in turns if t[0] not in TOOL_ROLES)
                 engine.rewrite(sid, prompt if prompt is not None else self._system_prompt, turns, open_user)
                 entry.last_reply = None  # (nothing left to cut: the new context holds what was heard)
             case SetTools(tools=tools, tool_choice=choice):

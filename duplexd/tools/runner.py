@@ -40,15 +40,12 @@ class ToolRunner:
     def __init__(self, host: ToolHost, config: ToolsConfig) -> None:
         self.host = host
         self.config = config
-        allowed = config.read_only_names
         self.specs: list[ToolSpec] = []
         self._by_name: dict[str, ToolSpec] = {}
         for spec in host.specs:
-            if spec.name in self._by_name:
-                log.warning("tool %r of MCP server %r hides the one of %r", spec.name, spec.server, spec.name)
+            if (first := self._by_name.get(spec.name)) is not None:
+                log.warning("tool %r of MCP server %r is hidden by the one of %r", spec.name, spec.server, first.server)
                 continue
-            if not spec.read_only and (spec.name in allowed or f"{spec.server}.{spec.name}" in allowed):
-                spec = ToolSpec(spec.name, spec.description, spec.parameters, spec.server, read_only=True)
             self._by_name[spec.name] = spec
             self.specs.append(spec)
         self._lock = threading.Lock()  # (futures' callbacks run on the hub's thread)
@@ -65,10 +62,13 @@ class ToolRunner:
         """The configured servers' tool `name` (None: not one of theirs)."""
         return self._by_name.get(name)
 
-    def may_run_early(self, spec: ToolSpec) -> bool:
+    def read_only(self, spec: ToolSpec) -> bool:
+        """Known to change nothing: its server's `readOnlyHint`, or `[tools] read_only` names it."""
         allowed = self.config.read_only_names
-        known = spec.read_only or spec.name in allowed or f"{spec.server}.{spec.name}" in allowed
-        return self.config.speculate and known
+        return spec.read_only or spec.name in allowed or f"{spec.server}.{spec.name}" in allowed
+
+    def may_run_early(self, spec: ToolSpec) -> bool:
+        return self.config.speculate and self.read_only(spec)
 
     def start(
         self, owner: int, call: ToolCall, *, early: bool, spec: ToolSpec | None = None

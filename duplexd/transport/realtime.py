@@ -264,7 +264,7 @@ def _max_tokens(value: object, param: str) -> int | None:
     return value  # type: ignore[return-value]
 
 
-def _tool_choice(value: object, param: str, ignored: list[str]) -> str | dict[str, Any] | None:
+def _tool_choice(value: object, param: str) -> str | dict[str, Any] | None:
     """ "auto", "none", "required", or `{type: function, name}` / `{type: mcp, server_label, name}`."""
     if value is None:
         return None
@@ -361,7 +361,7 @@ def parse_session(session: object) -> SessionUpdate:
         _modalities(modalities, "session.output_modalities") if modalities is not None else None,
         detection,
         max_tokens,
-        _tool_choice(session.get("tool_choice"), "session.tool_choice", ignored),
+        _tool_choice(session.get("tool_choice"), "session.tool_choice"),
         tuple(ignored),
         _tools(session["tools"], "session.tools") if session.get("tools") is not None else None,
     )
@@ -424,8 +424,12 @@ def _parse_response(response: object) -> ResponseCreate:
     for key, value in response.items():
         if key in ("output_modalities", "instructions", "max_output_tokens", "metadata", "conversation", "input"):
             continue
-        if key == "tool_choice":
-            _tool_choice(value, "response.tool_choice", ignored)
+        if key == "tool_choice":  # (a response's own tools and tool_choice: the session's apply)
+            if _tool_choice(value, "response.tool_choice") not in (None, "auto"):
+                ignored.append("response.tool_choice")
+        elif key == "tools":
+            if _tools(value, "response.tools"):
+                ignored.append("response.tools")
         elif key == "audio":
             voice = value.get("output", {}).get("voice") if isinstance(value, dict) else None
             if voice is None and isinstance(value, dict) and value.get("output", {}).get("format") is None:

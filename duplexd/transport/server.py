@@ -327,7 +327,7 @@ class Server:
         runner = None if self.dialog is None else getattr(self.dialog.engine, "runner", None)
         if runner is None:
             return None
-        tools = [{"name": s.name, "server": s.server, "read_only": s.read_only} for s in runner.specs]
+        tools = [{"name": s.name, "server": s.server, "read_only": runner.read_only(s)} for s in runner.specs]
         return {"tools": tools, "speculate": runner.config.speculate, **runner.stats}
 
     def _relay(self) -> dict[str, object] | None:

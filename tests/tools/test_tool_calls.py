@@ -105,3 +105,29 @@ def test_a_sessions_mcp_tools_reach_only_the_urls_the_server_allows() -> None:
     assert not local.session_mcp_allows("http://10.0.0.1/mcp") and not local.session_mcp_allows("file:///etc/passwd")
     assert ToolsConfig(session_mcp="*").session_mcp_allows("https://anywhere/mcp")
     assert not ToolsConfig(session_mcp="*").session_mcp_allows("ftp://anywhere/mcp")
+
+
+def test_a_response_s_own_tools_are_checked_and_logged_as_not_honoured() -> None:
+    weather = {"type": "function", "name": "get_weather"}
+    response = rt._parse_response({"tools": [weather], "tool_choice": "required"})
+    assert set(response.ignored) == {"response.tools", "response.tool_choice"}
+    assert rt._parse_response({"tools": [], "tool_choice": "auto"}).ignored == ()  # (OpenAI's defaults)
+    with pytest.raises(rt.RealtimeError):
+        rt._parse_response({"tools": [{"type": "function"}]})
+
+
+def test_the_configured_read_only_names_let_a_tool_run_early() -> None:
+    from concurrent.futures import Future
+
+    from duplexd.tools.calls import ToolResult, ToolSpec
+    from duplexd.tools.runner import ToolRunner
+
+    class Host:
+        specs = [ToolSpec("search", server="docs"), ToolSpec("delete", server="docs"), ToolSpec("list", server="fs")]
+
+        def call(self, spec: ToolSpec, arguments: str) -> Future[ToolResult]:
+            raise AssertionError("not called")
+
+    runner = ToolRunner(Host(), ToolsConfig(read_only="search, fs.list"))
+    assert [runner.may_run_early(s) for s in Host.specs] == [True, False, True]
+    assert not ToolRunner(Host(), ToolsConfig(read_only="search", speculate=False)).may_run_early(Host.specs[0])
