@@ -1,7 +1,7 @@
-"""The commands the conversation core gives the shell: to the dialog worker (`AppendUserText`, `StartReply`,
-`DraftReply`, `InterruptReply`, `ReplaceContext`, `SetTools`), to speech synthesis (`Synthesize`,
-`PrefetchSpeech`) and to the audio output (`PlayAudio`, `EndAudio`, `StopAudio`). A leaf module: every layer
-may import it."""
+"""The commands the conversation core gives the shell: to the dialog worker (`AppendUserText`,
+`RetractUserText`, `StartReply`, `DraftReply`, `InterruptReply`, `ReplaceContext`, `SetTools`), to speech
+synthesis (`Synthesize`, `PrefetchSpeech`) and to the audio output (`PlayAudio`, `EndAudio`, `StopAudio`). A
+leaf module: every layer may import it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,15 @@ from dataclasses import dataclass
 class AppendUserText:
     text: str  # with its leading space where it continues the turn
     version: int  # the count of appends so far: a P(end of turn) is for the text of one version
+
+
+@dataclass(frozen=True, slots=True)
+class RetractUserText:
+    """The recognizer decided an utterance's words again at its final: take back its appends, exactly
+    these texts (the turn's last ones), before the corrected words are appended (`version` counts both)."""
+
+    texts: tuple[str, ...]
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +116,7 @@ class ResumeAudio:
 
 Command = (
     AppendUserText
+    | RetractUserText
     | StartReply
     | DraftReply
     | InterruptReply

@@ -9,6 +9,7 @@ so it is bounded by construction). The session core drives it with a small duple
     engine.start_reply(sid)              # close the user turn; reply tokens come out of `step()`
     engine.step()                        # -> {sid: [new reply tokens]}
     engine.interrupt(sid, heard_tokens)  # barge-in: keep only what the user heard
+    engine.retract_user_text(sid, [" so"])  # the recognizer's final decided those words again
     child = engine.fork(sid)             # a copy for drafts (speculative listening)
     engine.state_key(sid)                # names the state the session will be in once its queue is in
     engine.adopt(sid, child)             # the draft's state (and reply so far) becomes the session's
@@ -455,6 +456,45 @@ class DialogEngine:
             session.user_words.extend(ids)
         self._queue(session, ids)
         session.p_end_of_turn = None
+
+    def retract_user_text(self, sid: int, texts: Sequence[str]) -> bool:
+        """Take back the open user turn's last appends, exactly `texts` (each as it was given to
+        `append_user_text`, oldest first): the recognizer decided those words again at the utterance's end.
+        Tokens still queued are dropped; those already in the KV are cut from it (a cut-back, as by
+        `interrupt`), so what follows is prefilled after the words before them. False, and nothing changed,
+        where they are not the turn's last tokens or the window no longer holds them all."""
+        session = self._get(sid)
+        ids = [token for text in texts for token in self.tokenizer.encode(text)]
+        words = list(session.user_words)
+        if not ids or session.replying or not session.user_open or len(ids) > len(words) or words[-len(ids) :] != ids:
+            return False
+        end = session.window.n + len(session.pending)
+        cut = end - len(ids)
+        if cut < session.window.n:
+            oldest = min((t for t in session.window.row_t.tolist() if t >= self.config.window.sink_tokens), default=0)
+            logged = [pos for pos, _ in session.log if pos >= cut]
+            if oldest > cut or len(logged) != session.window.n - cut:
+                return False
+            session.window.truncate(cut)
+            session.pending.clear()
+            session.cuts.clear()
+            session.key = _chain(session.key, ("cut", cut))
+            while session.log and session.log[-1][0] >= cut:
+                session.log.pop()
+        else:
+            drop = len(ids)
+            for _ in range(drop):
+                session.pending.pop()
+            while drop:
+                if session.cuts[-1] <= drop:
+                    drop -= session.cuts.pop()
+                else:
+                    session.cuts[-1] -= drop
+                    drop = 0
+        for _ in ids:
+            session.user_words.pop()
+        session.p_end_of_turn = None
+        return True
 
     def p_end_of_turn(self, sid: int) -> float | None:
         """P(the next token closes the user's turn) after every appended word is in; None until then."""

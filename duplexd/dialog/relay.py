@@ -196,6 +196,14 @@ class RelayDialogEngine(RemoteFront):
         if not self._reread(sid):
             self.local.append_user_text(lsid, text)
 
+    def retract_user_text(self, sid: int, texts: Sequence[str]) -> bool:
+        if not self.remote.retract_user_text(sid, texts):
+            return False
+        lsid = self._local.get(sid)
+        if lsid is not None and sid not in self._stale and not self.local.retract_user_text(lsid, texts):
+            self._stale.add(sid)  # (its next words re-read the transcript, corrected)
+        return True
+
     def p_end_of_turn(self, sid: int) -> float | None:
         lsid = self._local.get(sid)
         return None if lsid is None or sid in self._stale else self.local.p_end_of_turn(lsid)

@@ -540,6 +540,16 @@ class RemoteDialogEngine:
         c.user_open = True
         c.reply_done = False
 
+    def retract_user_text(self, sid: int, texts: Sequence[str]) -> bool:
+        """Take back the open user turn's last appends, exactly `texts` (see `DialogEngine.retract_user_text`);
+        False, and nothing changed, where the turn does not end with them."""
+        c = self._get(sid)
+        text = "".join(texts)
+        if not text or c.replying or not c.user_open or not c.user_text.endswith(text):
+            return False
+        c.user_text = c.user_text[: len(c.user_text) - len(text)]
+        return True
+
     def p_end_of_turn(self, sid: int) -> float | None:
         """Always None: a chat completions API gives no P(end of the user's turn)."""
         self._get(sid)

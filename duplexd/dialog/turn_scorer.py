@@ -86,6 +86,14 @@ class TurnScoredEngine(RemoteFront):
         if (lsid := self._scored.get(sid)) is not None:
             self.scorer.append_user_text(lsid, text)
 
+    def retract_user_text(self, sid: int, texts: Sequence[str]) -> bool:
+        if not self.remote.retract_user_text(sid, texts):
+            return False
+        if (lsid := self._scored.get(sid)) is not None and not self.scorer.retract_user_text(lsid, texts):
+            open_user = self.remote.history(sid)[-1]["content"]  # (the turn, corrected: it is open)
+            self.scorer.rewrite(lsid, self._prompts.get(sid), [], open_user)
+        return True
+
     def p_end_of_turn(self, sid: int) -> float | None:
         lsid = self._scored.get(sid)
         return None if lsid is None else self.scorer.p_end_of_turn(lsid)

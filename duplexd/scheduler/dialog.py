@@ -27,7 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from duplexd.commands import AppendUserText, DraftReply, InterruptReply, ReplaceContext, SetTools, StartReply
+from duplexd.commands import (
+    AppendUserText,
+    DraftReply,
+    InterruptReply,
+    ReplaceContext,
+    RetractUserText,
+    SetTools,
+    StartReply,
+)
 from duplexd.config import SpeculationConfig
 from duplexd.dialog.detok import ReplyText
 from duplexd.dialog.engine import Priority
@@ -41,7 +49,7 @@ log = logging.getLogger(__name__)
 _YIELD_POLL_S = 0.01
 _DRAFT_SHOWN_AT = 6  # reply tokens: a first spoken piece (two words, or a short clause) is in them
 
-DialogCommand = AppendUserText | StartReply | DraftReply | InterruptReply | ReplaceContext | SetTools
+DialogCommand = AppendUserText | RetractUserText | StartReply | DraftReply | InterruptReply | ReplaceContext | SetTools
 
 
 class ModelNamed(Protocol):
@@ -99,6 +107,7 @@ class LlmEngine(Protocol):
     def reply_tokens(self, sid: int) -> list[int]: ...
     def busy(self, *, drafts: bool = True) -> bool: ...
     def append_user_text(self, sid: int, text: str) -> None: ...
+    def retract_user_text(self, sid: int, texts: Sequence[str]) -> bool: ...
     def p_end_of_turn(self, sid: int) -> float | None: ...
     def start_reply(self, sid: int, prefix: str = "") -> None: ...  # prefix: the reply's given first words
     def interrupt(self, sid: int, heard_tokens: int) -> None: ...
@@ -479,6 +488,11 @@ class DialogWorker:
             case AppendUserText(text=text, version=version):
                 log.debug("session %d: user %r", sid, text)
                 engine.append_user_text(sid, text)
+                entry.version = version
+                self._drop(self._pool.prune(sid, engine.state_key(sid)))
+            case RetractUserText(texts=texts, version=version):
+                if not engine.retract_user_text(sid, texts):  # (the conversation only takes back its last appends)
+                    log.warning("session %d: the recognizer's corrected words could not replace %r", sid, texts)
                 entry.version = version
                 self._drop(self._pool.prune(sid, engine.state_key(sid)))
             case DraftReply(text=text, version=version):

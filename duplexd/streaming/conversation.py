@@ -36,6 +36,7 @@ from duplexd.commands import (
     PrefetchSpeech,
     ReplaceContext,
     ResumeAudio,
+    RetractUserText,
     StartReply,
     StopAudio,
     Synthesize,
@@ -230,6 +231,10 @@ class Conversation:
         self.turns = 0
         self._turn_words: list[str] = []  # the user's words of the current turn, as sent to the LLM
         self._sent: dict[int, int] = {}  # utterance -> words of it already sent to the LLM
+        # the appends of the utterance appended last in this turn, with their words (its final, deciding
+        # them again, may take them back), and that utterance (None: typed text, or none since the turn began)
+        self._appended: dict[int, list[tuple[AppendUserText, list[str]]]] = {}
+        self._last_append: int | None = None
         self._open: set[int] = set()  # utterances with partials and no final yet
         self._last_utterance = 0
         self._versions = 0
@@ -266,11 +271,36 @@ class Conversation:
         if reply is not None and utt >= reply.first_utterance:
             self._held[utt] = (event.words, committed, final)
             return self._maybe_barge_in()
+        out: list[Output] = []
         if final:
             self._tentative.pop(utt, None)
+            out = self._take_back(utt, event.words)
         else:
             self._tentative[utt] = event.words[committed:]
-        return self._send_words(utt, event.words[:committed])
+        return out + self._send_words(utt, event.words[:committed])
+
+    def _take_back(self, utt: int, words: tuple[Word, ...]) -> list[Output]:
+        """The utterance's final decided again words of it that had been sent (`asr.final_redecode`): take
+        its appends back from the LLM's context (and the turn's words) so the final's words replace them;
+        only while they are the turn's last appends."""
+        appends = self._appended.get(utt)
+        if not appends or self._last_append != utt:
+            return []
+        sent = [text for _, texts in appends for text in texts]
+        final = [w.text.strip() for w in words if w.text.strip() and w.start_s >= self._cleared_s]
+        if final[: len(sent)] == sent:
+            return []
+        del self._appended[utt]
+        del self._turn_words[len(self._turn_words) - len(sent) :]
+        self._sent[utt] = 0
+        self._last_append = None
+        held = [a for a, _ in appends if any(a is h for h in self._held_appends)]
+        self._held_appends = [h for h in self._held_appends if not any(h is a for a in held)]
+        reached = tuple(a.text for a, _ in appends if not any(a is h for h in held))
+        if not reached:
+            return []
+        self._versions += 1
+        return [RetractUserText(reached, self._versions)]
 
     def _send_words(self, utt: int, words: tuple[Word, ...]) -> list[Output]:
         new = words[self._sent.get(utt, 0) :]
@@ -283,10 +313,15 @@ class Conversation:
         text = self._continuation(texts)
         self._turn_words.extend(texts)
         self._versions += 1  # any P(end of turn) held is now for older text
+        append = AppendUserText(text, self._versions)
+        if utt != self._last_append:
+            self._appended.clear()  # (only the last appends can be taken back)
+        self._appended.setdefault(utt, []).append((append, texts))
+        self._last_append = utt
         if not self.auto_turns:  # the client may still clear them: they reach the LLM at its commit
-            self._held_appends.append(AppendUserText(text, self._versions))
+            self._held_appends.append(append)
             return []
-        return [AppendUserText(text, self._versions)]
+        return [append]
 
     def user_text(self, text: str, *, own_turn_at: float | None = None) -> list[Output]:
         """A typed user message: its words join the user's turn (and the LLM's context) now. `own_turn_at`
@@ -299,6 +334,7 @@ class Conversation:
         joined = self._continuation(texts)
         self._turn_words.extend(texts)
         self._versions += 1
+        self._last_append = None
         out.append(AppendUserText(joined, self._versions))
         if own_turn_at is not None:
             out += self._end_turn(own_turn_at, 0.0, None, reply=False)
@@ -321,6 +357,7 @@ class Conversation:
         self._held_appends.clear()
         if dropped:
             self._turn_words = []
+            self._appended.clear()
         self._tentative.clear()
         return []
 
@@ -405,6 +442,8 @@ class Conversation:
         eos_s = stream_s - silence_ms / 1000
         out: list[Output] = [TurnEnded(self.turns, " ".join(self._turn_words), eos_s, silence_ms, p, p_audio)]
         self._turn_words = []
+        self._appended.clear()  # (a finished turn's words are never taken back)
+        self._last_append = None
         self._drafted.clear()
         self._unanswered = True
         return out + (self._start_reply() if reply else [])
@@ -704,6 +743,7 @@ class Conversation:
         held = sum(len(a.text.split()) for a in self._held_appends)
         open_words = self._turn_words[: len(self._turn_words) - held]
         self._spoken = None
+        self._last_append = None  # (the new context holds the open words as one text)
         return [ReplaceContext(system_prompt, tuple(turns), " ".join(open_words))]
 
     def set_turn_config(self, turn: TurnConfig) -> None:

@@ -113,9 +113,15 @@ class VoiceLoop:
         for out in outputs:
             self._time(out, now)
             match out:
-                case cmd.AppendUserText() | cmd.StartReply() | cmd.DraftReply() | cmd.InterruptReply():
-                    self.dialog.submit(self.dialog_sid, out)
-                case cmd.ReplaceContext() | cmd.SetTools():
+                case (
+                    cmd.AppendUserText()
+                    | cmd.RetractUserText()
+                    | cmd.StartReply()
+                    | cmd.DraftReply()
+                    | cmd.InterruptReply()
+                    | cmd.ReplaceContext()
+                    | cmd.SetTools()
+                ):
                     self.dialog.submit(self.dialog_sid, out)
                 case cmd.Synthesize(reply=reply, index=index) if self.text_only:
                     self.tts_audio(reply, index, np.zeros(0, np.float32), now)  # a text-only reply: no speech

@@ -551,3 +551,41 @@ def test_a_prompt_cut_into_any_chunks_gets_bitwise_the_same_cache_and_reply(eith
         assert replies[whole] and replies[whole] == replies[by_word], question
         engine.close(whole)
         engine.close(by_word)
+
+
+def test_retracted_user_words_leave_the_context_as_if_never_said(smol) -> None:
+    """The recognizer's final can decide an utterance's words again after they were appended: taken back
+    (still queued, or already in the KV) and replaced, the conversation is the one that heard the final
+    words only, bit for bit, and its reply is that one's."""
+    engine = make_engine(smol, max_sessions=3, max_reply_tokens=16, prefill_chunk=16)
+    control = engine.open()
+    for text in ("What is the", " capital of France?"):
+        engine.append_user_text(control, text)
+    in_kv = engine.open()
+    engine.append_user_text(in_kv, "What is the")
+    engine.append_user_text(in_kv, " capital of Spain")
+    queued = engine.open()
+    engine.append_user_text(queued, "What is the")
+    run_until_idle(engine)
+    before = engine.context_tokens(in_kv)
+    assert not engine.retract_user_text(in_kv, [" of Spain", " capital"])  # (not its last appends, as given)
+    assert not engine.retract_user_text(in_kv, [" capital of France?"])
+    assert engine.context_tokens(in_kv) == before
+    assert engine.retract_user_text(in_kv, [" capital of Spain"])  # prefilled: cut from the KV
+    engine.append_user_text(queued, " capital of")
+    engine.append_user_text(queued, " Spain")
+    assert engine.retract_user_text(queued, [" capital of", " Spain"])  # still queued
+    for sid in (in_kv, queued):
+        engine.append_user_text(sid, " capital of France?")
+    run_until_idle(engine)
+    p = engine.p_end_of_turn(control)
+    assert p is not None
+    for sid in (in_kv, queued):
+        assert engine.context_tokens(sid) == engine.context_tokens(control)
+        assert engine.p_end_of_turn(sid) == pytest.approx(p, abs=1e-6)
+    replies = {}
+    for sid in (control, in_kv, queued):
+        engine.start_reply(sid)
+        assert not engine.retract_user_text(sid, [" capital of France?"])  # (the turn is closed)
+        replies[sid] = run_until_idle(engine).get(sid, [])
+    assert replies[control] and replies[in_kv] == replies[control] == replies[queued]

@@ -496,6 +496,21 @@ def test_a_rewritten_transcript_is_what_the_next_request_sends() -> None:
     engine.close(sid)
 
 
+def test_retracted_user_words_leave_the_transcript() -> None:
+    """The recognizer's final decided an utterance's words again: its appends are taken back from the open
+    user turn, exactly as given, and the corrected words follow the words before them."""
+    engine = remote_engine("http://127.0.0.1:9")  # (no request is made)
+    sid = engine.open()
+    engine.append_user_text(sid, "Hello there")
+    engine.append_user_text(sid, " men the")
+    engine.append_user_text(sid, " coat")
+    assert not engine.retract_user_text(sid, [" men the"])  # (not the last appends)
+    assert engine.retract_user_text(sid, [" men the", " coat"])
+    engine.append_user_text(sid, " mend the coat")
+    assert engine.history(sid)[-1] == {"role": "user", "content": "Hello there mend the coat"}
+    engine.close(sid)
+
+
 async def scored_turns(engine: object) -> tuple[list[str], list[float]]:
     """Each of `TURNS` appended, its P(end of turn) awaited, then answered: the replies and the P's."""
     worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False))  # type: ignore[arg-type]

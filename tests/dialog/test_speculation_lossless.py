@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from duplexd.commands import AppendUserText, DraftReply, InterruptReply, StartReply
+from duplexd.commands import AppendUserText, DraftReply, InterruptReply, RetractUserText, StartReply
 from duplexd.config import SpeculationConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig
 from duplexd.scheduler.dialog import DialogWorker
@@ -51,7 +51,9 @@ class Client:
         self.speculation.append((drafts, hit, draft_tokens))
 
 
-Step = tuple[str, str]  # ("say", text) appends the user's next words; ("draft", text) drafts; ("idle", "") waits
+# ("say", text) appends the user's next words; ("draft", text) drafts; ("retract", "a|b") takes back the
+# last appends "a", "b"; ("idle", "") waits
+Step = tuple[str, str]
 
 
 async def settle(worker: DialogWorker, *, drafts: bool = True) -> None:
@@ -104,6 +106,9 @@ async def converse(engine: DialogEngine, script: list[Step], speculate: bool) ->
                 worker.submit(sid, AppendUserText(text, version))
             elif kind == "draft":
                 worker.submit(sid, DraftReply(text, version))
+            elif kind == "retract":  # (pieces separated by "|")
+                version += 1
+                worker.submit(sid, RetractUserText(tuple(text.split("|")), version))
             else:
                 await settle(worker)
         worker.submit(sid, StartReply(1))
@@ -164,6 +169,21 @@ async def test_a_draft_for_other_words_is_never_emitted(engine) -> None:
     assert drafted == plain and client.speculation == [(1, False, 0)]
     spain, _ = await converse(engine, [("say", "What is the capital of"), ("say", " Spain?")], speculate=False)
     assert spain != plain  # (the draft's words did lead elsewhere)
+
+
+async def test_words_taken_back_leave_the_reply_of_the_final_words_and_drafts_made_on_them_unused(engine) -> None:
+    """The recognizer's final decided the last words again (`RetractUserText`): a draft made on the words
+    taken back is never used, one made on the corrected words is, and the reply is, token for token, the
+    one given only the final words."""
+    final = [("say", "What is the capital of"), ("say", " France?")]
+    plain, _ = await converse(engine, final, speculate=False)
+    misheard = [("say", "What is the capital of"), ("say", " Spain"), ("say", " or"), ("draft", "?"), ("idle", "")]
+    corrected = [*misheard, ("retract", " Spain| or"), ("say", " France?")]
+    drafted, client = await converse(engine, corrected, speculate=True)
+    assert drafted == plain and client.speculation == [(1, False, 0)]
+    drafted, client = await converse(engine, [*corrected, ("idle", ""), ("draft", ""), ("idle", "")], speculate=True)
+    assert drafted == plain, client.speculation
+    assert client.speculation[0][1], client.speculation  # (the draft on the corrected words was used)
 
 
 async def test_drafts_wait_while_other_work_runs(engine) -> None:

@@ -86,6 +86,46 @@ def test_committed_words_stream_into_the_llm_as_they_commit() -> None:
     assert [a.text for a in of(out, cmd.AppendUserText)] == [" please"]  # same turn, next utterance
 
 
+def test_a_final_that_decided_sent_words_again_takes_them_back_from_the_llm() -> None:
+    """`asr.final_redecode`: the final pass heard the utterance whole and changed words already committed
+    (and sent): their appends are taken back, exactly as sent, and the final's words replace them; the turn
+    is what the final says. Words of an earlier utterance stay."""
+    conv = new()
+    conv.observe([UtteranceFinalized(1, words("please"))])
+    first = of(conv.observe([TranscriptUpdated(2, words("men the", 1.0), 1)]), cmd.AppendUserText)
+    first += of(conv.observe([TranscriptUpdated(2, words("men the coat", 1.0), 2)]), cmd.AppendUserText)
+    assert [a.text for a in first] == [" men", " the"]
+    out = conv.observe([UtteranceFinalized(2, words("mend the coat before", 1.0))])
+    (retract,) = of(out, cmd.RetractUserText)
+    (append,) = of(out, cmd.AppendUserText)
+    assert out.index(retract) < out.index(append)
+    assert retract.texts == (" men", " the") and append.text == " mend the coat before"
+    assert first[-1].version < retract.version < append.version
+    conv.p_end_of_turn(0.9, append.version)
+    (turn,) = of(conv.tick(stream_s=3.0, silence_ms=400, asr_settled=True), TurnEnded)
+    assert turn.text == "please mend the coat before"
+
+
+def test_a_final_that_only_adds_words_takes_nothing_back() -> None:
+    conv = new()
+    conv.observe([TranscriptUpdated(1, words("what is the"), 2)])
+    out = conv.observe([UtteranceFinalized(1, words("what is the time"))])
+    assert of(out, cmd.RetractUserText) == [] and [a.text for a in of(out, cmd.AppendUserText)] == [" the time"]
+
+
+def test_words_the_client_has_not_committed_are_corrected_before_they_reach_the_llm() -> None:
+    """With `auto_turns` off, appends wait for the client's commit: a final that decided them again
+    replaces them there, and only the final's words reach the LLM."""
+    conv = new()
+    conv.auto_turns = False
+    assert conv.observe([TranscriptUpdated(1, words("men the coat"), 2)]) == []
+    out = conv.observe([UtteranceFinalized(1, words("mend the coat"))])
+    assert of(out, cmd.RetractUserText) == [] and of(out, cmd.AppendUserText) == []
+    out = conv.commit(3.0)
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["mend the coat"]
+    assert of(out, TurnEnded)[0].text == "mend the coat"
+
+
 def test_turn_ends_after_short_silence_when_complete_long_when_not() -> None:
     conv = new()
     say(conv, 1, "I want to go to the", p_end=1e-6)
