@@ -76,6 +76,12 @@ class AsrConfig:
     # behind the question, a talk-over 0.7 s after it was not read for 3.5 s and never interrupted the
     # reply. Off by default until bench voice's pause scenarios have measured it on.
     continue_gap_s: float = 0.0
+    # An utterance's final pass decides all of its words, not only those LocalAgreement left open, where that
+    # pass heard the utterance whole (from where its window opened: it was never trimmed): it has every
+    # word's right context, and earlier passes committed words with less ("mend the coat" committed "men"
+    # over three passes ending mid-phrase; "what your country" decoded alone, "Like your country"). Words
+    # it changes that had reached the LLM are taken back there (`RetractUserText`).
+    final_redecode: bool = True
     prompt_chars: int = 200  # committed text before the window, kept as the decoder prompt
     # ... of which the engine passes at most this many tokens. Measured with tiny.en and word timestamps on
     # this CPU: a 3.5 s pass costs 1.04 s with a prompt of up to 18 tokens and 1.85 s from 21 tokens on.

@@ -4,7 +4,8 @@ The window starts at the current utterance's onset (or at the last trim point) a
 audio. A pass runs only while there is speech not yet decoded; its words go through LocalAgreement; the
 window is trimmed at the end of a fully committed segment once it is `trim_after_s` long, and never
 grows beyond `max_window_s`. When VAD reports the end of speech, one last pass over the audio up to
-there commits everything and the utterance is final.
+there commits everything and the utterance is final; where that pass heard the utterance whole, its words
+are the final's, also those committed before (`asr.final_redecode`).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class StreamingTranscriber:
         self._active = False  # an utterance is open (speaking, or its final pass is still due)
         self._window_start = 0
         self._decoded_until = 0
+        self._opened_at = 0  # where the open utterance's window began (its final pass may decide all its words)
         self._final_end: int | None = None
         self._voiced_end_s: float | None = None  # where VAD last heard speech in the open utterance
         self._resumable: _Resumable | None = None  # the last final, while speech may continue it
@@ -208,7 +210,7 @@ class StreamingTranscriber:
             start = max(self._ring.start, start - int(_CONTEXT_S * ASR_SAMPLE_RATE))
         else:
             self._resumable = None
-        self._window_start = self._decoded_until = start
+        self._window_start = self._decoded_until = self._opened_at = start
         self._final_end = None
         self._voiced_end_s = None
         self._next = None
@@ -311,10 +313,23 @@ class StreamingTranscriber:
         # of the audio is silence): end the utterance now instead of running one more ~1 s pass.
         covered = self._final_end is not None and self._next is None and request.end_sample >= self._final_end
         if request.final or covered:
-            return self._finalize([*newly, *self._agreement.commit_all()])
+            return self._finalize(self._final_words(request, words, [*newly, *self._agreement.commit_all()]))
         self._committed.extend(newly)
         self._trim(request, result)
         return self._partial()
+
+    def _final_words(self, request: PassRequest, heard: list[Word], agreed: list[Word]) -> list[Word]:
+        """The words the final pass adds (`agreed`: those LocalAgreement left open), or, with
+        `final_redecode`, the utterance's words as that pass `heard` them all, where its window is the whole
+        utterance (never trimmed) and it read as far as the words committed before (a pass that stopped
+        short of them, or read nothing, is not taken over them)."""
+        if not self._config.final_redecode or request.start_sample != self._opened_at or not heard:
+            return agreed
+        before = [*self._committed, *agreed]
+        if before and heard[-1].end_s < before[-1].start_s:
+            return agreed
+        self._committed = []
+        return heard
 
     def _finalize(self, newly: list[Word]) -> list[Event]:
         if self._voiced_end_s is not None:  # (words already committed are out: only the new ones go)

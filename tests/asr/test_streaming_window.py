@@ -194,6 +194,65 @@ def test_speech_stopped_then_final_pass_finalizes_everything() -> None:
     assert (e.utterance, texts(e.words)) == (2, ["next"])
 
 
+MEN = [("men", 0.1, 0.35), ("the", 0.4, 0.5), ("coat", 0.55, 0.9)]
+MEND = [("mend", 0.1, 0.42), ("the", 0.45, 0.55), ("coat", 0.6, 0.9), ("before", 1.0, 1.3)]
+
+
+def _committed_men(config: AsrConfig) -> StreamingTranscriber:
+    """Three passes agree on "men the": committed, before the speaker has said much more."""
+    t = StreamingTranscriber(config)
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    for _ in range(3):
+        feed(t, 0.256)
+        t.apply_pass(t.prepare_pass(), result(MEN))
+    return t
+
+
+@pytest.mark.parametrize(
+    ("redecode", "expected"), [(True, ["mend", "the", "coat", "before"]), (False, ["men", "the", "coat", "before"])]
+)
+def test_a_final_pass_that_heard_the_utterance_whole_decides_its_committed_words_too(
+    redecode: bool, expected: list[str]
+) -> None:
+    t = _committed_men(AsrConfig(final_redecode=redecode))
+    feed(t, 1.0)
+    t.speech_stopped(2.5)
+    final = t.prepare_pass()
+    assert final.final and final.start_sample == SR  # the window is the whole utterance
+    (done,) = t.apply_pass(final, result(MEND))
+    assert isinstance(done, UtteranceFinalized)
+    assert texts(done.words) == expected
+    assert done.words[0].start_s == pytest.approx(1.1)  # (stream time)
+
+
+def test_a_final_pass_that_stops_short_of_the_committed_words_does_not_replace_them() -> None:
+    t = _committed_men(AsrConfig())
+    feed(t, 1.0)
+    t.speech_stopped(2.5)
+    # (a decoder that stopped early: its last word ends before the last committed word began)
+    (done,) = t.apply_pass(t.prepare_pass(), result([("mend", 0.1, 0.38)]))
+    assert texts(done.words) == ["men", "the", "coat"]
+
+
+def test_a_trimmed_utterance_keeps_the_words_it_committed() -> None:
+    """Once the window was trimmed, the final pass hears only the utterance's end: the words committed
+    before the cut stand."""
+    t = StreamingTranscriber(AsrConfig(trim_after_s=1.0))
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    sentence = [("Stop.", 0.1, 0.4), ("Go", 0.6, 0.8), ("on", 0.9, 1.1)]
+    for _ in range(3):
+        feed(t, 0.4)
+        t.apply_pass(t.prepare_pass(), result(sentence[:1], sentence[1:]))
+    feed(t, 0.5)
+    t.speech_stopped(t.samples / SR)
+    final = t.prepare_pass()
+    assert final.start_sample > SR  # trimmed at the committed sentence's end
+    (done,) = t.apply_pass(final, at_stream_times(final, [("go", 1.6, 1.8), ("on", 1.9, 2.1), ("now", 2.2, 2.4)]))
+    assert texts(done.words)[0] == "Stop."
+
+
 def test_speech_stop_beyond_the_audio_is_clamped() -> None:
     t = _open_at_1s()
     t.speech_stopped(99.0)
