@@ -511,6 +511,32 @@ def test_retracted_user_words_leave_the_transcript() -> None:
     engine.close(sid)
 
 
+@slow
+def test_words_taken_back_are_taken_back_from_the_turn_scorer_too(local: DialogEngine) -> None:
+    """`TurnScoredEngine`: the local model scoring the turn hears the corrected words, as the remote
+    transcript does: its P(end of turn) is that of the turn said right the first time."""
+    from duplexd.dialog.turn_scorer import TurnScoredEngine
+
+    scored = TurnScoredEngine(remote_engine("http://127.0.0.1:9"), local)  # (no request is made)
+    control, sid = scored.open(), scored.open()
+    for text in ("What is the", " capital of France?"):
+        scored.append_user_text(control, text)
+    for text in ("What is the", " capital of Spain"):
+        scored.append_user_text(sid, text)
+    while scored.busy():
+        scored.step()
+    assert scored.retract_user_text(sid, [" capital of Spain"])
+    scored.append_user_text(sid, " capital of France?")
+    while scored.busy():
+        scored.step()
+    p = scored.p_end_of_turn(control)
+    assert p is not None and scored.p_end_of_turn(sid) == pytest.approx(p, abs=1e-6)
+    assert scored.history(sid) == scored.history(control)
+    scored.close(control)
+    scored.close(sid)
+    assert local.sessions == 0
+
+
 async def scored_turns(engine: object) -> tuple[list[str], list[float]]:
     """Each of `TURNS` appended, its P(end of turn) awaited, then answered: the replies and the P's."""
     worker = DialogWorker(engine, speculation=SpeculationConfig(enabled=False))  # type: ignore[arg-type]
