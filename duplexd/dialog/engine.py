@@ -475,12 +475,7 @@ class DialogEngine:
             logged = [pos for pos, _ in session.log if pos >= cut]
             if oldest > cut or len(logged) != session.window.n - cut:
                 return False
-            session.window.truncate(cut)
-            session.pending.clear()
-            session.cuts.clear()
-            session.key = _chain(session.key, ("cut", cut))
-            while session.log and session.log[-1][0] >= cut:
-                session.log.pop()
+            _cut_back(session, cut)
         else:
             drop = len(ids)
             for _ in range(drop):
@@ -587,13 +582,7 @@ class DialogEngine:
         if not session.replying and heard == len(session.reply):
             return  # all of it was heard: nothing to cut
         if followed is not None:
-            cut = session.reply_start + heard
-            session.window.truncate(cut)
-            session.pending.clear()
-            session.cuts.clear()
-            session.key = _chain(session.key, ("cut", cut))
-            while session.log and session.log[-1][0] >= cut:
-                session.log.pop()
+            _cut_back(session, session.reply_start + heard)
             del session.reply[heard:]
             del session.reply_stats[heard:]
             self._finish_reply(session)  # (its end marker, then the user's words again)
@@ -602,12 +591,7 @@ class DialogEngine:
             return
         ingested = session.window.n - session.reply_start  # reply tokens already in the KV
         if ingested > heard:
-            session.window.truncate(session.reply_start + heard)
-            session.pending.clear()
-            session.cuts.clear()
-            session.key = _chain(session.key, ("cut", session.reply_start + heard))
-            while session.log and session.log[-1][0] >= session.reply_start + heard:
-                session.log.pop()
+            _cut_back(session, session.reply_start + heard)
         elif ingested >= 0:  # (< 0: the assistant header is still prefilling; the reply stays empty)
             session.pending.clear()
             session.cuts.clear()
@@ -812,3 +796,14 @@ def _view(session: _Session) -> SessionView:
 
 def _chain(key: int, piece: tuple[object, ...]) -> int:
     return hash((key, piece))
+
+
+def _cut_back(session: _Session, cut: int) -> None:
+    """Forget every token of the session from position `cut` on, in the KV or queued (the key records the
+    cut-back: a state reached by cutting is not the one the same tokens reached without)."""
+    session.window.truncate(cut)
+    session.pending.clear()
+    session.cuts.clear()
+    session.key = _chain(session.key, ("cut", cut))
+    while session.log and session.log[-1][0] >= cut:
+        session.log.pop()

@@ -17,7 +17,7 @@ import pytest
 from duplexd.config import DialogConfig, RelayConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig, TokenStats, token_stats
 from duplexd.dialog.relay import PREFIX_TOKENS, RelayDialogEngine, accept_prefix, sure
-from tests.dialog.test_remote_backend import DTYPE, TURNS, converse, remote_engine
+from tests.dialog.test_remote_backend import DTYPE, TURNS, assert_taken_back_as_if_said_right, converse, remote_engine
 from tests.dialog.test_remote_backend import llm_url as llm_url  # (the module's serve-llm fixture)
 from tests.dialog.test_remote_backend import local as local  # (llm_url needs it)
 
@@ -252,21 +252,6 @@ def test_a_reply_that_ended_is_asked_again_with_a_prefix(llm_url: str) -> None:
 @pytest.mark.slow
 def test_words_taken_back_are_taken_back_on_both_sides(speaker: DialogEngine) -> None:
     """`dialog.mode = "relay"`: the recognizer's corrected words replace those taken back in the remote
-    transcript and in the local model's context alike (its P(end of turn), the turn signal, is that of the
-    turn said right the first time)."""
+    transcript and in the local model's context alike (its P(end of turn) is the turn signal)."""
     engine = relay("http://127.0.0.1:9", speaker, ANY)  # (no request is made)
-    control, sid = engine.open(), engine.open()
-    for text in ("What is the", " capital of France?"):
-        engine.append_user_text(control, text)
-    for text in ("What is the", " capital of", " Spain"):
-        engine.append_user_text(sid, text)
-    while engine.busy():
-        engine.step()
-    assert not engine.retract_user_text(sid, [" capital of"])  # (not the last appends)
-    assert engine.retract_user_text(sid, [" capital of", " Spain"])
-    engine.append_user_text(sid, " capital of France?")
-    while engine.busy():
-        engine.step()
-    p = engine.p_end_of_turn(control)
-    assert p is not None and engine.p_end_of_turn(sid) == pytest.approx(p, abs=1e-6)
-    assert engine.history(sid) == engine.history(control)
+    assert_taken_back_as_if_said_right(engine, [" capital of", " Spain"], [" capital of", " Spain"])

@@ -25,7 +25,7 @@ from duplexd.bench.server import free_port, serve_llm_process
 from duplexd.commands import AppendUserText, InterruptReply, StartReply
 from duplexd.config import DialogConfig, SpeculationConfig
 from duplexd.dialog.engine import DialogEngine, EngineConfig
-from duplexd.dialog.remote import PieceTokenizer, RemoteConfig, RemoteDialogEngine, _trim
+from duplexd.dialog.remote import PieceTokenizer, RemoteConfig, RemoteDialogEngine, RemoteFront, _trim
 from duplexd.scheduler.dialog import DialogWorker
 
 slow = pytest.mark.slow  # (tests that load the model)
@@ -511,29 +511,37 @@ def test_retracted_user_words_leave_the_transcript() -> None:
     engine.close(sid)
 
 
+def assert_taken_back_as_if_said_right(engine: RemoteFront, misheard: list[str], taken: list[str]) -> None:
+    """An engine in front of a remote one, its conversation given "What is the" + `misheard`, of which the
+    appends `taken` are taken back and " capital of France?" appended: its transcript and the local model's
+    P(end of turn) are those of the turn said right the first time."""
+    control, sid = engine.open(), engine.open()
+    for text in ("What is the", " capital of France?"):
+        engine.append_user_text(control, text)
+    for text in ("What is the", *misheard):
+        engine.append_user_text(sid, text)
+    while engine.busy():
+        engine.step()
+    assert not engine.retract_user_text(sid, [" France"])  # (not its last words: nothing changes)
+    assert engine.retract_user_text(sid, taken)
+    engine.append_user_text(sid, " capital of France?")
+    while engine.busy():
+        engine.step()
+    p = engine.p_end_of_turn(control)
+    assert p is not None and engine.p_end_of_turn(sid) == pytest.approx(p, abs=1e-6)
+    assert engine.history(sid) == engine.history(control)
+    engine.close(control)
+    engine.close(sid)
+
+
 @slow
 def test_words_taken_back_are_taken_back_from_the_turn_scorer_too(local: DialogEngine) -> None:
     """`TurnScoredEngine`: the local model scoring the turn hears the corrected words, as the remote
-    transcript does: its P(end of turn) is that of the turn said right the first time."""
+    transcript does."""
     from duplexd.dialog.turn_scorer import TurnScoredEngine
 
     scored = TurnScoredEngine(remote_engine("http://127.0.0.1:9"), local)  # (no request is made)
-    control, sid = scored.open(), scored.open()
-    for text in ("What is the", " capital of France?"):
-        scored.append_user_text(control, text)
-    for text in ("What is the", " capital of Spain"):
-        scored.append_user_text(sid, text)
-    while scored.busy():
-        scored.step()
-    assert scored.retract_user_text(sid, [" capital of Spain"])
-    scored.append_user_text(sid, " capital of France?")
-    while scored.busy():
-        scored.step()
-    p = scored.p_end_of_turn(control)
-    assert p is not None and scored.p_end_of_turn(sid) == pytest.approx(p, abs=1e-6)
-    assert scored.history(sid) == scored.history(control)
-    scored.close(control)
-    scored.close(sid)
+    assert_taken_back_as_if_said_right(scored, [" capital of Spain"], [" capital of Spain"])
     assert local.sessions == 0
 
 
