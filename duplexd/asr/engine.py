@@ -187,19 +187,31 @@ class FasterWhisperEngine:
         if frames <= 0:
             return Transcription(())
         encoder_output = model.encode(pad_or_trim(features[:, :frames]))
-        tokens_in = model.get_prompt(tok, self._clip_prompt(prompt), without_timestamps=cfg.without_timestamps)
+        prompt_tokens = self._clip_prompt(prompt)
         max_new = min(16 + int(cfg.max_tokens_per_s * len(audio) / ASR_SAMPLE_RATE), model.max_length // 2)
-        result = model.model.generate(
-            encoder_output,
-            [tokens_in],
-            beam_size=cfg.beam_size,
-            max_length=len(tokens_in) + max_new,
-            return_scores=True,
-            return_no_speech_prob=True,
-            suppress_blank=True,
-            suppress_tokens=self._suppress,
-            max_initial_timestamp_index=int(round(1.0 / model.time_precision)),
-        )[0]
+
+        def decode(prompt_tokens: list[int]) -> Any:
+            tokens_in = model.get_prompt(tok, prompt_tokens, without_timestamps=cfg.without_timestamps)
+            return model.model.generate(
+                encoder_output,
+                [tokens_in],
+                beam_size=cfg.beam_size,
+                max_length=len(tokens_in) + max_new,
+                return_scores=True,
+                return_no_speech_prob=True,
+                suppress_blank=True,
+                suppress_tokens=self._suppress,
+                max_initial_timestamp_index=int(round(1.0 / model.time_precision)),
+            )[0]
+
+        result = decode(prompt_tokens)
+        said_nothing = not any(t < tok.eot for t in result.sequences_ids[0])
+        if prompt_tokens and said_nothing and result.no_speech_prob <= cfg.no_speech_threshold:
+            # Ended at once after the prompt, on audio it did not take for silence: the prompt, not the audio,
+            # said there was nothing more (clip06, "... for the" then "frequent formal review of activities"
+            # over 3.5 s: no word at all; every word without the prompt). Decoded again without it (the
+            # encoder's output is kept: one more decode of a few tokens), as Whisper's own fallback does.
+            result = decode([])
         tokens = result.sequences_ids[0]
         avg_logprob = result.scores[0] * len(tokens) / (len(tokens) + 1)
         if result.no_speech_prob > cfg.no_speech_threshold and avg_logprob < cfg.silence_logprob_threshold:

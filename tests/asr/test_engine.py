@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from duplexd.asr.commit import norm
 from duplexd.bench.data import wer
 from duplexd.clients.clips import Clip
 from duplexd.clients.stream import read_audio
@@ -55,6 +56,17 @@ def test_the_prompt_is_cut_to_its_last_whole_words(engines) -> None:
     kept = asr._tokenizer.decode(tokens).strip()
     assert kept != text and text.endswith(" " + kept)  # the newest whole words, none cut in half
     assert asr._clip_prompt("") == []
+
+
+def test_a_window_the_prompt_would_leave_unread_is_decoded_without_it(engines, clip_by_name: dict[str, Clip]) -> None:
+    # Measured in the voice loop: clip06's "... frequent formal review of activities they're under" from the
+    # 3.2 s of "frequent" on, with the words said before it as the prompt: Whisper ended at once, no word
+    # at all (three passes running, and the final), and without the prompt it read every word.
+    asr = engines.asr
+    clip = clip_by_name["clip06_lj050-0131.wav"]
+    window = _audio(clip)[43840:100032]
+    words = [norm(w.text) for w in asr.transcribe(window, "unless a system is established. for the").words]
+    assert "review of activities" in " ".join(words)
 
 
 def test_the_packaged_whisper_base_is_a_config_choice(
