@@ -659,6 +659,28 @@ def test_a_continuation_that_read_new_words_keeps_its_context_through_a_pass_tha
     assert t.prepare_pass().start_sample == request.start_sample  # (still decoded with its context)
 
 
+def test_a_continuation_keeps_its_context_through_a_partial_pass_that_reads_nothing_at_all() -> None:
+    # Measured (the voice loop, clip06): "review." | "of activities they're under": a pass read "of active.",
+    # the next one, over a longer window, nothing at all, the final all of it. Dropping the context at the
+    # empty pass started the window at the end of "review.", mid-way into the short "of", and the final
+    # read "activities they're under.": "of" was lost.
+    t, first = _finalized_at_a_pause()
+    request = t.prepare_pass()
+    (shown,) = t.apply_pass(request, at_stream_times(request, [*CONTEXT, ("part", 3.3, 3.6)]))
+    assert isinstance(shown, TranscriptUpdated) and texts(shown.words) == ["part"]
+    feed(t, 0.3)
+    glitch = t.prepare_pass()
+    assert t.apply_pass(glitch, Transcription(())) == []
+    assert t.pending_since_s() == pytest.approx(glitch.end_sample / SR)  # (its audio was decoded)
+    t.speech_stopped(t.samples / SR)
+    final = t.prepare_pass()
+    assert final.final and final.start_sample == request.start_sample  # (still with its context)
+    heard = [*CONTEXT, ("part", 3.3, 3.6), ("of", 3.7, 3.9), ("it.", 4.0, 4.3)]
+    (done,) = t.apply_pass(final, at_stream_times(final, heard))
+    assert isinstance(done, UtteranceFinalized)
+    assert (texts(done.words), done.continues) == (["part", "of", "it."], first.utterance)
+
+
 def test_a_continuation_pass_that_reads_nothing_at_all_failed_and_the_final_is_decoded_again_alone() -> None:
     # Measured (bench voice, clip06): "review." | "of activities they're under": a pass read "of activities.",
     # then the passes over the window (which holds the context's words) read nothing, the final pass too,
