@@ -57,6 +57,7 @@ import numpy as np
 
 from duplexd.bench import room, write_result
 from duplexd.bench import scenarios as sc
+from duplexd.bench.data import wer
 from duplexd.bench.server import health, serve_llm_process, server_process
 from duplexd.clients.clips import Clip, load_clips
 from duplexd.clients.converse import JITTER_S, ConversationResult, converse_pcm
@@ -109,6 +110,7 @@ class Run:
     room: str = ""  # echo: the path from the loudspeaker to the microphone
     pause_s: float | None = None  # pause: how long the mid-sentence pause was
     eos_to_first_loud_s: float | None = None  # the first loud 20 ms of the reply, as the client plays it
+    turn_text: str = ""  # the user's turns as the LLM read them (`turn.ended` texts)
 
 
 def _first_loud(result: ConversationResult) -> float | None:
@@ -168,6 +170,7 @@ def _measure(scenario: str, clip: Clip, result: ConversationResult, eos_s: float
         paused=len(result.of_type("reply.paused")),
         resumed=len(result.of_type("reply.resumed")),
         eos_to_first_loud_s=None if (loud := _first_loud(result)) is None else round(loud - eos_wall, 3),
+        turn_text=" ".join(r.event.get("text", "") for r in result.of_type("turn.ended")),
     )
 
 
@@ -354,8 +357,13 @@ def _side(
     first_audio = _stats([r.eos_to_first_audio_s for r in questions])
     turn_end = _stats([r.eos_to_turn_end_s for r in questions])
     tts = server.get("tts") or {}
+    references = {c.path.name: c.text or "" for c in clips}
     return {
         "settings": settings,
+        # (what the LLM answered: the question clips' turn texts against their references, corpus WER)
+        "turn_text_wer": round(wer([references[r.clip] for r in questions], [r.turn_text for r in questions]), 4)
+        if questions
+        else None,
         "eos_to_turn_end_p50_s": turn_end["p50"],
         "eos_to_turn_end_p90_s": turn_end["p90"],
         "eos_to_first_token_p50_s": first_token["p50"],
@@ -476,6 +484,7 @@ def _side_table(result: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"TTS real-time factor: {result['tts_rtf']}",
+        f"turn texts (question clips) against their references: WER {result.get('turn_text_wer')}",
         f"premature endpoints: {pct(result['premature_endpoint_rate'])} of {c['question'] + c['pause']} turns "
         f"(by pause: {', '.join(f'{p} s {pct(v)}' for p, v in result['premature_by_pause'].items()) or '-'})",
         f"false barge-ins: echo {pct(result['echo_false_barge_in_rate'])} of {c['echo']}, "
