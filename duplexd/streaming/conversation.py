@@ -232,7 +232,8 @@ class Conversation:
         self._turn_words: list[str] = []  # the user's words of the current turn, as sent to the LLM
         self._sent: dict[int, int] = {}  # utterance -> words of it already sent to the LLM
         # the appends of the utterance appended last in this turn, with their words (its final, deciding
-        # them again, may take them back), and that utterance (None: typed text, or none since the turn began)
+        # them again, may take them back), and that utterance (None: typed text, or none since the turn began);
+        # also those of the utterance before it, whose last words a continuation's final may join to its own
         self._appended: dict[int, list[tuple[AppendUserText, list[str]]]] = {}
         self._last_append: int | None = None
         self._open: set[int] = set()  # utterances with partials and no final yet
@@ -274,6 +275,10 @@ class Conversation:
         out: list[Output] = []
         if final:
             self._tentative.pop(utt, None)
+            assert isinstance(event, UtteranceFinalized)
+            rejoined = self._rejoin(event)
+            if rejoined is not None:
+                return rejoined
             out = self._take_back(utt, event.words)
         else:
             self._tentative[utt] = event.words[committed:]
@@ -291,9 +296,35 @@ class Conversation:
         if final[: len(sent)] == sent:
             return []
         del self._appended[utt]
-        del self._turn_words[len(self._turn_words) - len(sent) :]
         self._sent[utt] = 0
         self._last_append = None
+        return self._unsay(appends)
+
+    def _rejoin(self, event: UtteranceFinalized) -> list[Output] | None:
+        """A continuation's final that joined the utterance it continues ("review." | "of activities" ->
+        "review of activities"): that one's last append and this one's appends are taken back, and the words
+        go again as one sentence, as the final reads them. None: no join to make, or those are not the
+        turn's last appends (a typed message came between, or the turn ended)."""
+        prev, joined, utt = event.continues, event.previous, event.utterance
+        if prev is None or not joined or (word := joined[-1].text.strip()) == "":
+            return None
+        if list(self._appended) not in ([prev], [prev, utt]) or self._last_append not in (prev, utt):
+            return None
+        last = self._appended[prev][-1]
+        if not last[1] or last[1][-1] == word:
+            return None
+        involved = [last, *self._appended.get(utt, [])]
+        out = self._unsay(involved)
+        self._appended.clear()
+        self._last_append = None
+        self._sent[utt] = 0
+        return out + self._send_words(utt, event.words, before=[*last[1][:-1], word])
+
+    def _unsay(self, appends: list[tuple[AppendUserText, list[str]]]) -> list[Output]:
+        """Take the turn's last `appends` back: from its words, from those held for the client's commit, and
+        from the LLM's context (`RetractUserText`, for those that reached it)."""
+        sent = [text for _, texts in appends for text in texts]
+        del self._turn_words[len(self._turn_words) - len(sent) :]
         held = [a for a, _ in appends if any(a is h for h in self._held_appends)]
         self._held_appends = [h for h in self._held_appends if not any(h is a for a in held)]
         reached = tuple(a.text for a, _ in appends if not any(a is h for h in held))
@@ -302,20 +333,23 @@ class Conversation:
         self._versions += 1
         return [RetractUserText(reached, self._versions)]
 
-    def _send_words(self, utt: int, words: tuple[Word, ...]) -> list[Output]:
+    def _send_words(self, utt: int, words: tuple[Word, ...], *, before: list[str] | None = None) -> list[Output]:
+        """`words` of utterance `utt` not sent yet go to the LLM (`before`: words said again ahead of them,
+        as one append: a rejoined sentence)."""
         new = words[self._sent.get(utt, 0) :]
-        if not new:
+        if not new and not before:
             return []
         self._sent[utt] = len(words)
-        texts = [w.text.strip() for w in new if w.text.strip() and w.start_s >= self._cleared_s]
+        texts = [*(before or ()), *(w.text.strip() for w in new if w.text.strip() and w.start_s >= self._cleared_s)]
         if not texts:
             return []
         text = self._continuation(texts)
         self._turn_words.extend(texts)
         self._versions += 1  # any P(end of turn) held is now for older text
         append = AppendUserText(text, self._versions)
-        if utt != self._last_append:
-            self._appended.clear()  # (only the last appends can be taken back)
+        if utt != self._last_append:  # (only the last appends can be taken back: the one before may be rejoined)
+            last = self._appended.get(self._last_append) if self._last_append is not None else None
+            self._appended = {self._last_append: last} if last and self._last_append is not None else {}
         self._appended.setdefault(utt, []).append((append, texts))
         self._last_append = utt
         if not self.auto_turns:  # the client may still clear them: they reach the LLM at its commit

@@ -126,6 +126,61 @@ def test_words_the_client_has_not_committed_are_corrected_before_they_reach_the_
     assert of(out, TurnEnded)[0].text == "mend the coat"
 
 
+def _split_at_a_pause(conv: cv.Conversation) -> list[cmd.AppendUserText]:
+    """ "I said Sunday is the best." finalized at a pause, then the speaker goes on: "part" committed."""
+    sent = of(conv.observe([UtteranceFinalized(1, words("I said Sunday is the best."))]), cmd.AppendUserText)
+    sent += of(conv.observe([TranscriptUpdated(2, words("part of", 2.0), 1)]), cmd.AppendUserText)
+    assert [a.text for a in sent] == ["I said Sunday is the best.", " part"]
+    return sent
+
+
+def test_a_continuation_rejoins_the_sentence_it_continues_in_the_llm_and_the_turn() -> None:
+    """The speaker went on after a pause that finalized "... best.": the continuation's final reads the join
+    ("best." -> "best"); the utterance before's last append and the continuation's are taken back, exactly
+    as sent, and the sentence goes to the LLM again as one; the turn reads as one sentence."""
+    conv = new()
+    sent = _split_at_a_pause(conv)
+    joined = words("I said Sunday is the best")
+    final = UtteranceFinalized(2, words("part of the week.", 2.0), continues=1, previous=joined)
+    out = conv.observe([final])
+    assert [type(o) for o in out] == [cmd.RetractUserText, cmd.AppendUserText]
+    retract, append = out
+    assert retract.texts == ("I said Sunday is the best.", " part")
+    assert append.text == "I said Sunday is the best part of the week."
+    assert sent[-1].version < retract.version < append.version
+    conv.p_end_of_turn(0.9, append.version)
+    (turn,) = of(conv.tick(stream_s=4.0, silence_ms=400, asr_settled=True), TurnEnded)
+    assert turn.text == "I said Sunday is the best part of the week."
+
+
+def test_a_continuation_whose_join_changed_nothing_only_adds_its_words() -> None:
+    conv = new()
+    _split_at_a_pause(conv)
+    out = conv.observe([UtteranceFinalized(2, words("part of the week.", 2.0), continues=1, previous=None)])
+    assert of(out, cmd.RetractUserText) == [] and [a.text for a in of(out, cmd.AppendUserText)] == [" of the week."]
+
+
+def test_a_continuation_is_not_rejoined_across_a_typed_message() -> None:
+    conv = new()
+    conv.observe([UtteranceFinalized(1, words("I said Sunday is the best."))])
+    conv.user_text("really")
+    final = UtteranceFinalized(2, words("part of it.", 2.0), continues=1, previous=words("I said Sunday is the best"))
+    out = conv.observe([final])
+    assert of(out, cmd.RetractUserText) == [] and [a.text for a in of(out, cmd.AppendUserText)] == [" part of it."]
+
+
+def test_a_rejoined_sentence_waits_for_the_clients_commit_as_one() -> None:
+    conv = new()
+    conv.auto_turns = False
+    conv.observe([UtteranceFinalized(1, words("I said Sunday is the best."))])
+    conv.observe([TranscriptUpdated(2, words("part of", 2.0), 1)])
+    final = UtteranceFinalized(2, words("part of it.", 2.0), continues=1, previous=words("I said Sunday is the best"))
+    assert conv.observe([final]) == []
+    out = conv.commit(4.0)
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["I said Sunday is the best part of it."]
+    assert of(out, TurnEnded)[0].text == "I said Sunday is the best part of it."
+
+
 def test_turn_ends_after_short_silence_when_complete_long_when_not() -> None:
     conv = new()
     say(conv, 1, "I want to go to the", p_end=1e-6)
