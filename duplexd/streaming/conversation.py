@@ -348,8 +348,8 @@ class Conversation:
         self._versions += 1  # any P(end of turn) held is now for older text
         append = AppendUserText(text, self._versions)
         if utt != self._last_append:  # (only the last appends can be taken back: the one before may be rejoined)
-            last = self._appended.get(self._last_append) if self._last_append is not None else None
-            self._appended = {self._last_append: last} if last and self._last_append is not None else {}
+            prev = self._last_append
+            self._appended = {prev: self._appended[prev]} if prev is not None and prev in self._appended else {}
         self._appended.setdefault(utt, []).append((append, texts))
         self._last_append = utt
         if not self.auto_turns:  # the client may still clear them: they reach the LLM at its commit

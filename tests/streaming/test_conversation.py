@@ -74,6 +74,24 @@ def voice_all(conv: cv.Conversation, reply: int, outputs: list[cv.Output], secon
     return out
 
 
+def assert_said_again(
+    conv: cv.Conversation, out: list[cv.Output], before: cmd.AppendUserText, retracted: tuple[str, ...], said: str
+) -> None:
+    """`out` takes back exactly the appends `retracted`, then says `said` as one append, versions in order
+    after `before` (the last append sent); P(end of turn) is then given for it."""
+    assert [type(o) for o in out] == [cmd.RetractUserText, cmd.AppendUserText]
+    retract, append = out
+    assert retract.texts == retracted and append.text == said
+    assert before.version < retract.version < append.version
+    conv.p_end_of_turn(0.9, append.version)
+
+
+def turn_text(conv: cv.Conversation) -> str:
+    """The text of the turn that ends now (the recognizer settled, a long silence)."""
+    (turn,) = of(conv.tick(stream_s=5.0, silence_ms=400, asr_settled=True), TurnEnded)
+    return turn.text
+
+
 def test_committed_words_stream_into_the_llm_as_they_commit() -> None:
     conv = new()
     out = conv.observe([TranscriptUpdated(1, words("what is the"), 1)])
@@ -96,14 +114,8 @@ def test_a_final_that_decided_sent_words_again_takes_them_back_from_the_llm() ->
     first += of(conv.observe([TranscriptUpdated(2, words("men the coat", 1.0), 2)]), cmd.AppendUserText)
     assert [a.text for a in first] == [" men", " the"]
     out = conv.observe([UtteranceFinalized(2, words("mend the coat before", 1.0))])
-    (retract,) = of(out, cmd.RetractUserText)
-    (append,) = of(out, cmd.AppendUserText)
-    assert out.index(retract) < out.index(append)
-    assert retract.texts == (" men", " the") and append.text == " mend the coat before"
-    assert first[-1].version < retract.version < append.version
-    conv.p_end_of_turn(0.9, append.version)
-    (turn,) = of(conv.tick(stream_s=3.0, silence_ms=400, asr_settled=True), TurnEnded)
-    assert turn.text == "please mend the coat before"
+    assert_said_again(conv, out, first[-1], (" men", " the"), " mend the coat before")
+    assert turn_text(conv) == "please mend the coat before"
 
 
 def test_a_final_that_only_adds_words_takes_nothing_back() -> None:
@@ -143,14 +155,9 @@ def test_a_continuation_rejoins_the_sentence_it_continues_in_the_llm_and_the_tur
     joined = words("I said Sunday is the best")
     final = UtteranceFinalized(2, words("part of the week.", 2.0), continues=1, previous=joined)
     out = conv.observe([final])
-    assert [type(o) for o in out] == [cmd.RetractUserText, cmd.AppendUserText]
-    retract, append = out
-    assert retract.texts == ("I said Sunday is the best.", " part")
-    assert append.text == "I said Sunday is the best part of the week."
-    assert sent[-1].version < retract.version < append.version
-    conv.p_end_of_turn(0.9, append.version)
-    (turn,) = of(conv.tick(stream_s=4.0, silence_ms=400, asr_settled=True), TurnEnded)
-    assert turn.text == "I said Sunday is the best part of the week."
+    said = "I said Sunday is the best part of the week."
+    assert_said_again(conv, out, sent[-1], ("I said Sunday is the best.", " part"), said)
+    assert turn_text(conv) == said
 
 
 def test_a_continuation_whose_join_changed_nothing_only_adds_its_words() -> None:
