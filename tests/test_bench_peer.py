@@ -29,3 +29,25 @@ def test_words_the_peer_never_got_right_are_not_timed() -> None:
     result.snapshots = [(1.0, ["one"]), (2.0, ["one", "too"])]
     assert np.allclose(peer_latencies(result, program), [0.7])
     assert peer_latencies(PeerResult(started_at=0.0), program) == []
+
+
+def test_each_round_starts_where_the_last_rounds_first_program_ended(tmp_path) -> None:
+    import soundfile as sf
+
+    from duplexd.bench.peer import _rounds
+    from duplexd.clients.clips import Clip
+
+    clips = []
+    for i in range(6):  # six 10 s clips: a 25 s program holds three of them (then its 1 s gaps)
+        path = tmp_path / f"c{i}.wav"
+        sf.write(path, np.zeros(16000 * 10, np.int16), 16000)
+        clips.append(Clip(path, 10.0, f"clip {i}", 1))
+    offline = {c.path: [Word(f"w{i}", 1.0, 1.5)] for i, c in enumerate(clips)}
+    programs = _rounds(clips, offline, n=2, rounds=2, stream_s=25.0)
+    assert [p.refs for p in programs] == [
+        ["clip 0", "clip 1", "clip 2"],  # round 1: two streams, 3 clips apart
+        ["clip 3", "clip 4", "clip 5"],
+        ["clip 3", "clip 4", "clip 5"],  # round 2 starts after round 1's first program
+        ["clip 0", "clip 1", "clip 2"],
+    ]
+    assert [w.start_s for w in programs[0].words] == [1.0, 12.0, 23.0]  # (times within the program)

@@ -5,7 +5,9 @@
 
 Both servers run as child processes on this machine, one after the other, with the same whisper tiny.en
 CTranslate2 folder; the same real-time-paced clients stream the same programs (clips with 1 s gaps) at
-1, 2, 4, 8 concurrent streams. Word latency = when a word was first shown minus when its end (offline word
+1, 2, 4, 8 concurrent streams, `--rounds` times per level (each round's programs start where the last
+round's first program ended, so more rounds cover more of the clips: one ~40 s program holds ~90 words,
+where one word is 1 % of WER). Word latency = when a word was first shown minus when its end (offline word
 timestamps) was sent, the same measure for both (a peer's transcript is rebuilt from its segment
 messages). N* here = the most concurrent streams with word latency p90 <= 2 s. Not part of CI.
 """
@@ -34,9 +36,10 @@ from duplexd.bench.asr import RATE, Program, _offline, _program
 from duplexd.bench.data import wer
 from duplexd.bench.latency import aligned, word_timings
 from duplexd.bench.server import child_process, server_process
-from duplexd.clients.clips import load_clips
+from duplexd.clients.clips import Clip, load_clips
 from duplexd.clients.stats import percentile
 from duplexd.clients.stream import stream_pcm
+from duplexd.events import Word
 from duplexd.netutil import free_port
 
 MAX_WORD_LATENCY_P90_S = 2.0
@@ -124,7 +127,20 @@ def _row(latencies: list[float], refs: list[str], texts: list[str]) -> dict[str,
         "word_latency_p90_s": percentile(latencies, 90),
         "words_timed": len(latencies),
         "wer": wer(refs, texts),
+        "streams": [{"ref": ref, "text": text} for ref, text in zip(refs, texts, strict=True)],
     }
+
+
+def _rounds(clips: list[Clip], offline: dict[Path, list[Word]], n: int, rounds: int, stream_s: float) -> list[Program]:
+    """`n` concurrent programs per round (rotated 3 clips apart), each round starting after the clips the
+    last round's first program held."""
+    programs: list[Program] = []
+    start = 0
+    for _ in range(rounds):
+        batch = [_program(clips, offline, stream_s, rotate=start + 3 * k) for k in range(n)]
+        programs += batch
+        start += len(batch[0].refs)
+    return programs
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,6 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"benchmark": "asr-peer", "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     out["model"] = str(model)
     out["stream_s"] = args.stream_s
+    out["rounds"] = args.rounds
     for name in ("duplexd", "whisperlive"):
         rows: dict[str, Any] = {}
         server = (
@@ -146,25 +163,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with server as port:
             for n in levels:
                 print(f"{name}: {n} concurrent stream(s) of ~{args.stream_s:.0f} s ...", flush=True)
-                programs = [_program(clips, offline, args.stream_s, rotate=3 * k) for k in range(n)]
-                if name == "duplexd":
-                    url = f"ws://127.0.0.1:{port}/v1/stream"
-                    results = asyncio.run(_gather([stream_pcm(url, p.pcm, RATE) for p in programs]))
-                    latencies = [
-                        t.partial_latency_s
-                        for p, r in zip(programs, results, strict=True)
-                        for t in word_timings(r, p.words)
-                    ]
-                    texts = [r.text for r in results]
-                else:
-                    url = f"ws://127.0.0.1:{port}"
-                    peer = asyncio.run(
-                        _gather([whisperlive_stream(url, p.pcm, f"u{k}") for k, p in enumerate(programs)])
-                    )
-                    latencies = [x for p, r in zip(programs, peer, strict=True) for x in peer_latencies(r, p)]
-                    texts = [r.text for r in peer]
+                programs = _rounds(clips, offline, n, args.rounds, args.stream_s)
+                latencies, texts = [], []
+                for r in range(0, len(programs), n):  # (one round at a time: n streams at once)
+                    batch = programs[r : r + n]
+                    if name == "duplexd":
+                        url = f"ws://127.0.0.1:{port}/v1/stream"
+                        results = asyncio.run(_gather([stream_pcm(url, p.pcm, RATE) for p in batch]))
+                        latencies += [
+                            t.partial_latency_s
+                            for p, res in zip(batch, results, strict=True)
+                            for t in word_timings(res, p.words)
+                        ]
+                        texts += [res.text for res in results]
+                    else:
+                        url = f"ws://127.0.0.1:{port}"
+                        peer = asyncio.run(
+                            _gather([whisperlive_stream(url, p.pcm, f"u{r}-{k}") for k, p in enumerate(batch)])
+                        )
+                        latencies += [x for p, res in zip(batch, peer, strict=True) for x in peer_latencies(res, p)]
+                        texts += [res.text for res in peer]
                 rows[str(n)] = _row(latencies, [" ".join(p.refs) for p in programs], texts)
-                print(f"  {rows[str(n)]}", flush=True)
+                print(f"  { ({k: v for k, v in rows[str(n)].items() if k != 'streams'}) }", flush=True)
         ok = [
             n
             for n in levels
@@ -204,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--streams", default="1,2,4,8")
     p.add_argument("--stream-s", type=float, default=40.0, help="seconds of speech per stream")
+    p.add_argument("--rounds", type=int, default=1, help="programs per stream and level, one after another")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     result = run(args)
