@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -404,18 +405,21 @@ class StreamingTranscriber:
         head = [norm(w.text) for w in words[: len(context) + _ALIGN_SLACK]]
         matcher = difflib.SequenceMatcher(a=context, b=head, autojunk=False)
         blocks = [b for b in matcher.get_matching_blocks() if b.size]
-        # (found again where their audio is: before the new speech began, not in it: JFK's "... can do for
-        # you" | "ask what you can do for your country" matched "can do for" in the new words, dropping six)
-        if (
-            blocks
-            and blocks[-1].a + blocks[-1].size >= len(context) - 1
-            and words[blocks[-1].b + blocks[-1].size - 1].start_s <= self._onset_s + _ONSET_SLACK_S
-        ):
+        if blocks:
             last = blocks[-1]
             cut = last.b + last.size
-            if last.a + last.size == len(context):
-                self._join = words[cut - 1]
-            return words[cut:]
+            # The context's last words heard again but spelled another way ("your seatbelts." | "your seat
+            # belts. We are": the same audio twice in the transcript): the words that spell them are theirs.
+            respelled = _respelled("".join(context[last.a + last.size :]), head[cut:])
+            # (found again where their audio is: before the new speech began, not in it: JFK's "... can do
+            # for you" | "ask what you can do for your country" matched "can do for" in the new words, six
+            # dropped)
+            if (last.a + last.size >= len(context) - 1 or respelled) and words[
+                cut + respelled - 1
+            ].start_s <= self._onset_s + _ONSET_SLACK_S:
+                if last.a + last.size == len(context):
+                    self._join = words[cut - 1]
+                return words[cut + respelled :]
         end_s = self._continues.context[-1].end_s
         return [w for w in words if w.start_s >= end_s - _TIME_TOLERANCE_S]
 
@@ -476,6 +480,21 @@ class StreamingTranscriber:
                 break
             text = f"{word} {text}" if text else word
         return text
+
+
+def _respelled(text: str, head: Sequence[str]) -> int:
+    """How many of the first words of `head` (normalized) spell `text` together, without spaces (at most
+    three: "seat", "belts" for "seatbelts"); 0 if none do, or `text` is empty."""
+    if not text:
+        return 0
+    spelled = ""
+    for k, word in enumerate(head[:3], 1):
+        spelled += word
+        if not text.startswith(spelled):
+            return 0
+        if spelled == text:
+            return k
+    return 0
 
 
 def _resumable(utterance: int, words: tuple[Word, ...], heard: tuple[Word, ...], window_start: int) -> _Resumable:

@@ -604,6 +604,60 @@ def test_new_words_that_repeat_the_context_are_not_taken_for_it() -> None:
     assert texts(final.words) == ["Sunday", "is", "the", "best", "day."]
 
 
+def _continued_after(said: list[tuple[str, float, float]]) -> StreamingTranscriber:
+    """`said` (window times from 1.0 s) finalized at the pause after it; the speaker goes on 0.2 s later."""
+    t = StreamingTranscriber(AsrConfig())
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    end_s = 1.0 + said[-1][2]
+    feed(t, end_s + 0.2 - t.samples / SR)
+    t.speech_stopped(end_s + 0.2, voiced_end_s=end_s)
+    (done,) = t.apply_pass(t.prepare_pass(), result(said))
+    assert isinstance(done, UtteranceFinalized)
+    feed(t, 0.1)
+    t.speech_started(end_s + 0.3, continues=True)
+    feed(t, 1.5)
+    t.speech_stopped(end_s + 1.8)
+    return t
+
+
+@pytest.mark.parametrize(
+    ("before", "again"),
+    [
+        ("seatbelts.", [("seat", 1.4, 1.6), ("belts.", 1.6, 1.9)]),  # one word then, two now
+        ("seat belts.", [("seatbelts.", 1.4, 1.9)]),  # two words then, one now
+    ],
+)
+def test_context_words_heard_again_but_spelled_another_way_are_not_said_twice(
+    before: str, again: list[tuple[str, float, float]]
+) -> None:
+    # clip21 after other clips (bench peer, 4 of 4 runs): "please fasten your seatbelts." | "seat belts. We
+    # are expecting some turbulence.": the continuation heard the context's last word again, spelled apart.
+    said = [("please", 0.1, 0.4), ("fasten", 0.5, 0.8), ("your", 0.9, 1.0)]
+    said += [(w, 1.1 + 0.3 * k, 1.3 + 0.3 * k) for k, w in enumerate(before.split())]
+    t = _continued_after(said)
+    request = t.prepare_pass()
+    offset_s = request.start_sample / SR
+    heard = [("fasten", 1.5 - offset_s, 1.8 - offset_s), ("your", 1.9 - offset_s, 2.0 - offset_s)]
+    heard += [(w, a + 1.0 - offset_s, b + 1.0 - offset_s) for w, a, b in again]
+    heard += [("We", 3.2 - offset_s, 3.4 - offset_s), ("are", 3.5 - offset_s, 3.7 - offset_s)]
+    (final,) = t.apply_pass(request, result(heard))
+    assert isinstance(final, UtteranceFinalized)
+    assert texts(final.words) == ["We", "are"]
+
+
+def test_a_new_word_that_only_begins_like_the_context_is_new() -> None:
+    said = [("the", 0.1, 0.3), ("seat", 0.4, 0.8)]
+    t = _continued_after(said)
+    request = t.prepare_pass()
+    offset_s = request.start_sample / SR
+    heard = [("the", 1.1 - offset_s, 1.3 - offset_s), ("seat", 1.4 - offset_s, 1.8 - offset_s)]
+    heard += [("seat", 2.1 - offset_s, 2.3 - offset_s), ("belts", 2.4 - offset_s, 2.8 - offset_s)]
+    (final,) = t.apply_pass(request, result(heard))
+    assert isinstance(final, UtteranceFinalized)
+    assert texts(final.words) == ["seat", "belts"]  # ("seat" + "belts" is not the context's "seat")
+
+
 def test_a_continuation_of_a_short_continuation_reaches_back_into_the_utterance_before_it() -> None:
     # "I said Sunday is the best." | "part of" | "it." : the second utterance's two words are less than the
     # context a continuation decodes again, so the third one's context reaches back into the first
