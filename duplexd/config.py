@@ -467,9 +467,11 @@ class RelayConfig:
     at most `max_entropy` nats, mean gap between the two likeliest tokens' probabilities at least
     `min_margin` (the three statistics RelayS2S's verifier reads). None: the reply is the remote model's
     alone. How the defaults were chosen (docs/benchmarks.md "Relay"): over SmolLM2's replies to the 16
-    question clips they take formulaic openings ("I'm sorry for any misunderstanding,") and leave
-    invented content ("The frosted glass was a classic,"); the remote model here is the same SmolLM2, so
-    what a bigger one would have said differently cannot be measured here."""
+    question clips they take formulaic openings ("I'm glad to hear that.", "I'm sorry for the") and leave
+    invented content ("The frosted glass was a classic,", 'The original sentence is "A'); measured again
+    on 2026-12-05 they take 12 of 16, and `min_margin = 0.2` would add "I'm sorry for any
+    misunderstanding," (its mean margin is 0.23). The remote model here is the same SmolLM2, so what a
+    bigger one would have said differently cannot be measured here."""
 
     model: str = "smollm2"
     """The local model that speaks first (any `[dialog] model` value)."""
