@@ -407,19 +407,19 @@ class StreamingTranscriber:
         blocks = [b for b in matcher.get_matching_blocks() if b.size]
         if blocks:
             last = blocks[-1]
-            cut = last.b + last.size
+            matched, cut = last.a + last.size, last.b + last.size  # (context words found, hypothesis words)
             # The context's last words heard again but spelled another way ("your seatbelts." | "your seat
             # belts. We are": the same audio twice in the transcript): the words that spell them are theirs.
-            respelled = _respelled("".join(context[last.a + last.size :]), head[cut:])
+            respelled = _respelled("".join(context[matched:]), head[cut:])
+            cut += respelled
             # (found again where their audio is: before the new speech began, not in it: JFK's "... can do
             # for you" | "ask what you can do for your country" matched "can do for" in the new words, six
             # dropped)
-            if (last.a + last.size >= len(context) - 1 or respelled) and words[
-                cut + respelled - 1
-            ].start_s <= self._onset_s + _ONSET_SLACK_S:
-                if last.a + last.size == len(context):
+            found = matched >= len(context) - 1 or respelled > 0
+            if found and words[cut - 1].start_s <= self._onset_s + _ONSET_SLACK_S:
+                if matched == len(context):
                     self._join = words[cut - 1]
-                return words[cut + respelled :]
+                return words[cut:]
         end_s = self._continues.context[-1].end_s
         return [w for w in words if w.start_s >= end_s - _TIME_TOLERANCE_S]
 
