@@ -43,11 +43,9 @@ def test_each_round_starts_where_the_last_rounds_first_program_ended(tmp_path) -
         sf.write(path, np.zeros(16000 * 10, np.int16), 16000)
         clips.append(Clip(path, 10.0, f"clip {i}", 1))
     offline = {c.path: [Word(f"w{i}", 1.0, 1.5)] for i, c in enumerate(clips)}
-    programs = _rounds(clips, offline, n=2, rounds=2, stream_s=25.0)
-    assert [p.refs for p in programs] == [
-        ["clip 0", "clip 1", "clip 2"],  # round 1: two streams, 3 clips apart
-        ["clip 3", "clip 4", "clip 5"],
-        ["clip 3", "clip 4", "clip 5"],  # round 2 starts after round 1's first program
-        ["clip 0", "clip 1", "clip 2"],
+    rounds = _rounds(clips, offline, n=2, rounds=2, stream_s=25.0)
+    assert [[p.refs for p in batch] for batch in rounds] == [
+        [["clip 0", "clip 1", "clip 2"], ["clip 3", "clip 4", "clip 5"]],  # round 1: two streams, 3 clips apart
+        [["clip 3", "clip 4", "clip 5"], ["clip 0", "clip 1", "clip 2"]],  # round 2: after round 1's first program
     ]
-    assert [w.start_s for w in programs[0].words] == [1.0, 12.0, 23.0]  # (times within the program)
+    assert [w.start_s for w in rounds[0][0].words] == [1.0, 12.0, 23.0]  # (times within the program)

@@ -131,16 +131,17 @@ def _row(latencies: list[float], refs: list[str], texts: list[str]) -> dict[str,
     }
 
 
-def _rounds(clips: list[Clip], offline: dict[Path, list[Word]], n: int, rounds: int, stream_s: float) -> list[Program]:
-    """`n` concurrent programs per round (rotated 3 clips apart), each round starting after the clips the
+def _rounds(
+    clips: list[Clip], offline: dict[Path, list[Word]], n: int, rounds: int, stream_s: float
+) -> list[list[Program]]:
+    """Per round, `n` concurrent programs (rotated 3 clips apart), each round starting after the clips the
     last round's first program held."""
-    programs: list[Program] = []
+    batches: list[list[Program]] = []
     start = 0
     for _ in range(rounds):
-        batch = [_program(clips, offline, stream_s, rotate=start + 3 * k) for k in range(n)]
-        programs += batch
-        start += len(batch[0].refs)
-    return programs
+        batches.append([_program(clips, offline, stream_s, rotate=start + 3 * k) for k in range(n)])
+        start += len(batches[-1][0].refs)
+    return batches
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -163,10 +164,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with server as port:
             for n in levels:
                 print(f"{name}: {n} concurrent stream(s) of ~{args.stream_s:.0f} s ...", flush=True)
-                programs = _rounds(clips, offline, n, args.rounds, args.stream_s)
+                batches = _rounds(clips, offline, n, args.rounds, args.stream_s)
                 latencies, texts = [], []
-                for r in range(0, len(programs), n):  # (one round at a time: n streams at once)
-                    batch = programs[r : r + n]
+                for r, batch in enumerate(batches):  # (one round at a time: n streams at once)
                     if name == "duplexd":
                         url = f"ws://127.0.0.1:{port}/v1/stream"
                         results = asyncio.run(_gather([stream_pcm(url, p.pcm, RATE) for p in batch]))
@@ -183,8 +183,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         )
                         latencies += [x for p, res in zip(batch, peer, strict=True) for x in peer_latencies(res, p)]
                         texts += [res.text for res in peer]
-                rows[str(n)] = _row(latencies, [" ".join(p.refs) for p in programs], texts)
-                print(f"  { ({k: v for k, v in rows[str(n)].items() if k != 'streams'}) }", flush=True)
+                rows[str(n)] = _row(latencies, [" ".join(p.refs) for batch in batches for p in batch], texts)
+                summary = {k: v for k, v in rows[str(n)].items() if k != "streams"}
+                print(f"  {summary}", flush=True)
         ok = [
             n
             for n in levels
