@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from duplexd.netutil import free_port, http_json, ready_health
+from duplexd.netutil import free_ports, http_json, ready_health
 
 DEFAULT_CHECK_MS = 500
 SCRAPED = (
@@ -154,10 +154,11 @@ class Cluster:
         if workers < 1:
             raise ClusterError("a cluster needs at least one worker")
         self.host = host
-        self.port = port or free_port(host)
-        self.stats_port = None if stats_port is None else (stats_port or free_port(host))
+        fresh = iter(free_ports(2 + workers, host))  # (distinct: the balancer's two listeners and every worker)
+        self.port = port or next(fresh)
+        self.stats_port = None if stats_port is None else (stats_port or next(fresh))
         self.workers = [
-            Worker(f"w{i + 1}", host, base_port + i + 1 if base_port else free_port(host)) for i in range(workers)
+            Worker(f"w{i + 1}", host, base_port + i + 1 if base_port else next(fresh)) for i in range(workers)
         ]
         self.serve_args = list(serve_args or [])
         self.env = dict(env or {})

@@ -1,8 +1,9 @@
 """Small network helpers for the processes that start and watch duplexd servers (`duplexd cluster`, the
-benchmarks): a free port, a JSON GET, and `/healthz` once the models are loaded."""
+benchmarks): free ports, a JSON GET, and `/healthz` once the models are loaded."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import urllib.request
@@ -10,9 +11,18 @@ from typing import Any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free now. Each socket stays bound until all are chosen: ports chosen one after
+    another, each closed before the next, can come back twice (the kernel may hand out a port it has just
+    had back), and two listeners of one HAProxy on one port share it without a complaint."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def http_json(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
