@@ -27,24 +27,34 @@ CLIP = "clip09_timit_ldc93s1.wav"  # "She had your dark suit in greasy wash wate
 MIC_RATE = 48000
 SILENCE_BEFORE_S = 0.5
 SILENCE_AFTER_S = 8.0  # the turn ends and the reply plays while the microphone is silent
+QUIET_AFTER_S = 40.0
 TRANSCRIPT_TIMEOUT_S = 60
 REPLY_TIMEOUT_S = 90  # model loading and CPU-only LLM + TTS
 
 
-@pytest.fixture
-def fake_mic_wav(clip_by_name: dict[str, Clip], tmp_path: Path) -> Path:
-    """The recording as Chromium's fake microphone plays it: 16-bit mono 48 kHz, padded with silence."""
+def _mic_wav(clip_by_name: dict[str, Clip], path: Path, after_s: float) -> Path:
+    """The recording as Chromium's fake microphone plays it (in a loop): 16-bit mono 48 kHz, padded with
+    silence, `after_s` of it after the speech."""
     clip = clip_by_name.get(CLIP)
     if clip is None:
         pytest.skip(f"{CLIP} is not in the speech data manifest")
     audio, rate = sf.read(clip.path, dtype="float32", always_2d=True)
     speech = soxr.resample(audio.mean(axis=1), rate, MIC_RATE)
     before = np.zeros(int(SILENCE_BEFORE_S * MIC_RATE), "float32")
-    after = np.zeros(int(SILENCE_AFTER_S * MIC_RATE), "float32")
-    padded = np.concatenate([before, speech, after])
-    path = tmp_path / "mic.wav"
-    sf.write(path, padded, MIC_RATE, subtype="PCM_16")
+    after = np.zeros(int(after_s * MIC_RATE), "float32")
+    sf.write(path, np.concatenate([before, speech, after]), MIC_RATE, subtype="PCM_16")
     return path
+
+
+@pytest.fixture
+def fake_mic_wav(clip_by_name: dict[str, Clip], tmp_path: Path) -> Path:
+    return _mic_wav(clip_by_name, tmp_path / "mic.wav", SILENCE_AFTER_S)
+
+
+@pytest.fixture
+def quiet_mic_wav(clip_by_name: dict[str, Clip], tmp_path: Path) -> Path:
+    """The recording once, then silence long enough for its reply to play out before the loop says it again."""
+    return _mic_wav(clip_by_name, tmp_path / "quiet-mic.wav", QUIET_AFTER_S)
 
 
 FINAL_TRANSCRIPT_JS = "[...document.querySelectorAll('#conversation p.user.final')].map(p => p.textContent).join(' ')"
@@ -62,6 +72,12 @@ REPLY_PLAYED_JS = """(() => {
   const text = [...document.querySelectorAll('#conversation p.assistant')].map(p => p.textContent).join(' ').trim();
   return reply && text && d.playedMs > 0 && d.playedMs >= receivedMs - 0.01 ? reply : null;
 })()"""
+
+# Over a call: a complete reply with text, whose audio the call's track played (loud, then its buffer stopped).
+CALL_REPLY_PLAYED_JS = (
+    "(d => d.replies.find(r => r.done && r.text.trim()) && d.rtc.bufferEvents.includes('stopped')"
+    " && d.rtc.loudSince !== null ? d : null)(window.duplexd)"
+)
 
 
 async def _snapshot(page: Page) -> str:
@@ -309,8 +325,7 @@ async def test_a_spoken_turn_over_webrtc_in_chromium(
         )
         reply = await _wait(
             page,
-            "(d => d.replies.find(r => r.done && r.text.trim()) && d.rtc.bufferEvents.includes('stopped')"
-            " && d.rtc.loudSince !== null ? d : null)(window.duplexd)",
+            CALL_REPLY_PLAYED_JS,
             REPLY_TIMEOUT_S,
             "no reply played over the call",
         )
@@ -364,29 +379,28 @@ async def test_the_page_falls_back_to_the_websocket_without_webrtc(
 
 
 async def test_the_microphone_picker_moves_the_call_to_another_device(
-    make_server, chromium: str, fake_mic_wav: Path, tmp_path: Path
+    make_server, chromium: str, quiet_mic_wav: Path, tmp_path: Path
 ) -> None:
     """Chromium's fake microphones, several of them: the picker lists them, and choosing another during the
     call replaces the call's microphone track (`RTCRtpSender.replaceTrack`); the new device plays the
-    recording again from its start, and the server hears it as a second question."""
+    recording again from its start, and the server hears it as a second question. (Chosen once the first
+    reply has played: said over a reply that quotes it, the question would be that reply's echo by its text,
+    and not a turn.)"""
     srv = await make_server()
-    async with launch_chromium(chromium, tmp_path, fake_mic_wav) as page:
+    heard = "window.duplexd.transcriptFinal.filter(t => /dark suit|greasy/i.test(t)).length"
+    async with launch_chromium(chromium, tmp_path, quiet_mic_wav) as page:
         await _start(page, srv.http + "/", "the call did not start")
-        await _wait(
-            page, f"/dark suit|greasy/i.test({FINAL_TRANSCRIPT_JS})", TRANSCRIPT_TIMEOUT_S, "no final transcript"
-        )
+        await _wait(page, f"{heard} >= 1", TRANSCRIPT_TIMEOUT_S, "no final transcript")
+        await _wait(page, CALL_REPLY_PLAYED_JS, REPLY_TIMEOUT_S, "no reply played over the call")
+        await _wait(page, "window.duplexd.activity === 'listening'", 10, "the page did not go back to listening")
         mics = await page.evaluate("window.duplexd.mics")
         assert mics >= 2, f"Chromium listed {mics} fake microphone(s)"
+        before = await page.evaluate(heard)
         chosen = await page.evaluate(
             "(s => { s.value = s.options[s.options.length - 1].value; s.dispatchEvent(new Event('change'));"
             " return s.value; })(document.querySelector('#mic'))"
         )
-        await _wait(
-            page,
-            "window.duplexd.transcriptFinal.filter(t => /dark suit|greasy/i.test(t)).length >= 2",
-            TRANSCRIPT_TIMEOUT_S,
-            "the other microphone was not heard",
-        )
+        await _wait(page, f"{heard} > {before}", TRANSCRIPT_TIMEOUT_S, "the other microphone was not heard")
         kept = await page.evaluate("localStorage.getItem('duplexd.mic')")
         state, problems = await _stop(page, "the call did not end cleanly")
 
