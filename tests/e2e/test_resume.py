@@ -86,6 +86,19 @@ async def say(client: StreamClient, pcm: np.ndarray) -> None:
         await client.send_pcm(pcm[start : start + 320].astype("<i2").tobytes())
 
 
+async def detached(server, within_s: float) -> None:
+    """Wait until the server has seen a killed client's socket go and kept its session for a resume (how
+    soon depends on the machine's load: its event loop reads the reset)."""
+    deadline = time.monotonic() + within_s
+    while server.counters["detached"] == 0:
+        links = {
+            sid: {"attached": c.attached, "replying": c.busy_replying, "socket": c.link and str(c.link.ws.state)}
+            for sid, c in server.handles.items()
+        }
+        assert time.monotonic() < deadline, f"the server did not see the socket go in {within_s} s: {links}"
+        await asyncio.sleep(0.05)
+
+
 async def test_a_client_killed_mid_reply_resumes_with_nothing_lost_or_repeated(make_server, clip_by_name) -> None:
     srv = await make_server(LONG_REPLY)
     me = Listener()
@@ -102,6 +115,7 @@ async def test_a_client_killed_mid_reply_resumes_with_nothing_lost_or_repeated(m
     assert not any(e["type"] == "reply.done" for e in me.events), "the reply ended before the kill"
     client.ws.transport.abort()  # killed: no closing handshake
     heard_before = (me.receiver.contiguous, me.audio_ms)
+    await detached(srv.server, within_s=10.0)
     await asyncio.sleep(1.0)  # the reply goes on without the client
     assert srv.server.counters["detached"] == 1 and len(srv.server.sessions) == 1
 
