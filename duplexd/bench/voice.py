@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import os
 import platform
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,10 +63,12 @@ from duplexd.bench.server import health, serve_llm_process, server_process
 from duplexd.clients.clips import Clip, load_clips
 from duplexd.clients.converse import JITTER_S, ConversationResult, converse_pcm
 from duplexd.clients.stats import percentile
+from duplexd.config import TurnConfig
+from duplexd.streaming.conversation import echo_score
 
 QUESTION_MAX_S = 8.0  # single-speaker clips up to this long are the questions
 PAUSES_S = (0.4, 0.6, 0.8, 1.0)  # mid-sentence pauses (--quick: the 0.6 s one only)
-SCENARIOS = ("question", "pause", "backchannel", "noise", "echo", "talk_over", "talk_over_echo")
+SCENARIOS = ("question", "pause", "backchannel", "noise", "echo", "talk_over", "talk_over_echo", "repeat")
 ECHO_GAINS = (0.5, 1.0)  # -6 dB and 0 dB against the reply
 # The turn-taking features measured (the `on` side), and what `--baseline` runs instead (`off`).
 FEATURES_ON = {"turn.echo_cancellation": "gate", "turn.pause_on_speech_ms": "128", "turn.audio_model": "smart-turn"}
@@ -111,6 +114,7 @@ class Run:
     pause_s: float | None = None  # pause: how long the mid-sentence pause was
     eos_to_first_loud_s: float | None = None  # the first loud 20 ms of the reply, as the client plays it
     turn_text: str = ""  # the user's turns as the LLM read them (`turn.ended` texts)
+    quotes: float | None = None  # repeat: how well the reply matches the question (`echo_score`, 0..1)
 
 
 def _first_loud(result: ConversationResult) -> float | None:
@@ -304,7 +308,27 @@ async def _conversations(
             run.room = spec.name if path is not None else ""
             runs.append(run)
             print(f"  {scenario} {clip.path.name}: interrupted={run.interrupted} after {run.barge_in_s}", flush=True)
+    if "repeat" in scenarios:
+        # The question said again a second into its reply (a user repeating a turn the reply misheard): the
+        # user talking, to be heard as such even where the reply quotes the question (SmolLM2's often do).
+        for clip in overlapped if quick else questions:
+            speech = sc.load(clip.path)
+            audio = np.concatenate([lead, speech])
+            result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=sc.During(speech, after_s=1.0))
+            run = _measure("repeat", clip, result, sc.speech_end_s(audio), None)
+            run.quotes = round(echo_score(_normalized(run.turn_text), _normalized(run.reply_text)), 3)
+            runs.append(run)
+            print(f"  repeat {clip.path.name}: interrupted={run.interrupted}, quotes {run.quotes}", flush=True)
     return runs
+
+
+def _normalized(text: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9' ]", " ", text.lower()).split())
+
+
+def quoted(run: Run) -> bool:
+    """A repeat whose reply matches the question as well as the text check takes for echo."""
+    return run.quotes is not None and run.quotes >= TurnConfig().echo_similarity
 
 
 def _transport_keys(calls: list[Run], questions: list[Run]) -> dict[str, Any]:
@@ -396,6 +420,11 @@ def _side(
         "barge_in_latency_p50_s": barge_in["p50"],
         "echo_talk_over_barge_in_rate": _rate(runs, "talk_over_echo"),  # (the user talks over their own echo)
         "echo_talk_over_barge_in_p50_s": barge_in_echo["p50"],
+        # The question said again over its reply: heard as the user (interrupted), of all and of those whose
+        # reply quotes the question (`echo_score` >= turn.echo_similarity's default).
+        "repeat_barge_in_rate": _rate(runs, "repeat"),
+        "repeat_quoted": sum(quoted(r) for r in runs if r.scenario == "repeat"),
+        "repeat_quoted_barge_in_rate": _rate([r for r in runs if quoted(r)], "repeat"),
         "counts": {k: sum(r.scenario == k for r in runs) for k in SCENARIOS},
         "webrtc": _transport_keys(calls, questions) if calls else None,
         "echo_cancellation": server.get("echo"),  # its cost on the server
@@ -500,6 +529,9 @@ def _side_table(result: dict[str, Any]) -> list[str]:
         f"p50 {s(result['barge_in_latency_p50_s'])} after the talk-over began",
         f"talk-overs with the reply's echo (-6 dB) that interrupted: {pct(result['echo_talk_over_barge_in_rate'])} "
         f"of {c['talk_over_echo']}, p50 {s(result['echo_talk_over_barge_in_p50_s'])}",
+        f"questions said again over their reply that interrupted it: {pct(result.get('repeat_barge_in_rate'))} "
+        f"of {c.get('repeat', 0)}; of the {result.get('repeat_quoted', 0)} whose reply quotes the question: "
+        f"{pct(result.get('repeat_quoted_barge_in_rate'))}",
     ]
     if rtc := result.get("webrtc"):
         lines += ["", "| question clips, client side | WebSocket p50 / p90 | WebRTC p50 / p90 |", "|---|---|---|"]

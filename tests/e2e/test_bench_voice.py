@@ -39,8 +39,11 @@ def test_bench_voice_quick(clips: list[Clip], tmp_path: Path, capsys) -> None:
     result = json.loads(out.read_text())
     for key in KEYS:
         assert result[key] is not None, key
-    counts = {"question": 1, "pause": 1, "backchannel": 1, "noise": 3, "echo": 2, "talk_over": 1, "talk_over_echo": 1}
+    counts = dict(question=1, pause=1, backchannel=1, noise=3, echo=2, talk_over=1, talk_over_echo=1, repeat=1)
     assert result["counts"] == counts  # (echo: at -6 and at 0 dB; noise: a cough, a clatter, a throat clearing)
+    (repeat,) = [r for r in result["runs"] if r["scenario"] == "repeat"]
+    assert repeat["reply_text"] and 0.0 <= repeat["quotes"] <= 1.0  # (how well the reply quotes the question)
+    assert result["repeat_barge_in_rate"] == float(repeat["interrupted"])
     questions = [r for r in result["runs"] if r["scenario"] == "question"]
     for r in questions:  # every question was answered, text before audio
         assert r["turns"] == 1 and r["reply_text"] and r["reply_audio_s"] > 0
