@@ -73,6 +73,14 @@ ECHO_LIKE_PAUSES = 2
 _LOOP_WORDS = 8
 _ECHO_SCORES = 64  # remembered per reply (then forgotten at once: bounded)
 _NEAR_WORD = 0.8  # a heard word this similar to a reply word (character ratio) is that word, misheard
+# Speech over a reply that matches the question it answers this well, and better than any stretch of the reply
+# by `_REPEAT_MARGIN`, is the user saying the question again, not the reply's echo (a reply that quotes the
+# question matched what the user said again as well as its echo would: bench voice's `repeat` scenario).
+# Three words at least: Whisper, prompted with the question, heard the echo of "In 2013: 1913" as the
+# question's own "In 1813" (bench voice, echo through a room).
+_REPEAT_MATCH = 0.8
+_REPEAT_MARGIN = 0.05
+_REPEAT_MIN_WORDS = 3
 T = TypeVar("T")
 _NORMALIZE = re.compile(r"[^\w'\-]+")
 
@@ -163,6 +171,7 @@ class _Reply:
     pause_armed: bool = True  # False after a resume, until VAD's run of speech that paused it has ended
     echo_like_pause: bool = False  # a pause's sound stopped with the playback: VAD no longer pauses this reply
     echo_scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (heard, len(text)) -> score
+    question: str = ""  # the user's turn it answers, normalized
 
     @property
     def samples(self) -> int:
@@ -185,6 +194,18 @@ class _Reply:
                 self.echo_scores.clear()
             score = self.echo_scores[key] = echo_score(heard, self.normalized())
         return score
+
+    def repeats_question(self, heard: str) -> bool:
+        """`heard` is the question this reply answers, said again: it matches the question (`_REPEAT_MATCH`)
+        better than any stretch of the reply, however closely the reply quotes it (`_REPEAT_MARGIN`)."""
+        if len(heard.split()) < _REPEAT_MIN_WORDS or not self.question:
+            return False
+        key = (heard, -1)  # (the question does not grow)
+        if (score := self.echo_scores.get(key)) is None:
+            if len(self.echo_scores) >= _ECHO_SCORES:
+                self.echo_scores.clear()
+            score = self.echo_scores[key] = echo_score(heard, self.question)
+        return score >= max(_REPEAT_MATCH, self.echo_score(heard) + _REPEAT_MARGIN)
 
 
 class Conversation:
@@ -244,6 +265,7 @@ class Conversation:
         self._p_audio: tuple[float, float] | None = None  # (where the speech ended, P(turn over) of its audio)
         self._held: dict[int, tuple[tuple[Word, ...], int, bool]] = {}  # during a reply: words, committed, final
         self._reply: _Reply | None = None
+        self._question = ""  # the last turn's words, normalized (what its reply answers)
         self._stream_s = 0.0  # the latest tick's stream time
         self._echo_like_pauses = 0  # false pauses whose sound stopped with the playback (see ECHO_LIKE_PAUSE_MS)
         self._out_samples = 0  # output stream: samples handed to the shell so far
@@ -474,7 +496,9 @@ class Conversation:
     ) -> list[Output]:
         self.turns += 1
         eos_s = stream_s - silence_ms / 1000
-        out: list[Output] = [TurnEnded(self.turns, " ".join(self._turn_words), eos_s, silence_ms, p, p_audio)]
+        text = " ".join(self._turn_words)
+        out: list[Output] = [TurnEnded(self.turns, text, eos_s, silence_ms, p, p_audio)]
+        self._question = " ".join(n for w in text.split() if (n := _norm(w)))
         self._turn_words = []
         self._appended.clear()  # (a finished turn's words are never taken back)
         self._last_append = None
@@ -486,6 +510,7 @@ class Conversation:
         self._unanswered = False
         chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
         self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker, max_tokens=self.max_reply_tokens)
+        self._reply.question = self._question
         return [StartReply(self.turns), ReplyStarted(self.turns)]
 
     def _drafts(self) -> list[Output]:
@@ -639,16 +664,22 @@ class Conversation:
     def _meaningful(self, words: tuple[Word, ...], r: _Reply) -> list[Word]:
         """The words of an utterance heard during reply `r` that count as the user talking: none if the
         utterance is the reply's own echo; else those that are not backchannels nor (near) words of the
-        reply, a phrase Whisper looped on counted once."""
+        reply, a phrase Whisper looped on counted once. The question said again is the user's, every word,
+        even where the reply quotes it (`_Reply.repeats_question`)."""
         heard = without_loops([w for w in words if _norm(w.text)], key=lambda w: _norm(w.text))
         text = " ".join(_norm(w.text) for w in heard)
-        if not heard or r.echo_score(text) >= self._turn.echo_similarity:
+        if not heard:
+            return []
+        repeated = r.repeats_question(text)
+        if not repeated and r.echo_score(text) >= self._turn.echo_similarity:
             return []
         reply_words = r.words()
         return [
             w
             for w in heard
-            if (n := _norm(w.text)) not in self._backchannels and not _near(n, reply_words) and not self._echoed(w)
+            if (n := _norm(w.text)) not in self._backchannels
+            and (repeated or not _near(n, reply_words))
+            and not self._echoed(w)
         ]
 
     def _echoed(self, word: Word) -> bool:

@@ -358,6 +358,30 @@ def test_misheard_echo_of_the_reply_does_not_interrupt() -> None:
     assert of(out, ReplyInterrupted)
 
 
+def test_the_question_said_again_over_a_reply_that_quotes_it_is_the_user() -> None:
+    """Measured (bench voice, `repeat`): 7 of 16 replies quoted the question closely enough to be its echo by
+    the text check ("The horizon seems extremely distant." -> "The horizon is extremely distant, and ..."),
+    and the question said again over each was taken for that echo: the reply paused, then played on."""
+    conv = unpaused()
+    reply = start_reply(conv, "The horizon seems extremely distant.")
+    said = "The horizon is extremely distant, and it's a very distant place."
+    voice_all(conv, reply, stream_reply(conv, reply, said))
+    # Its echo, as heard: the reply's words, not the question's.
+    assert conv.observe([UtteranceFinalized(2, words("The horizon is extremely distant,"))]) == []
+    out = conv.observe([UtteranceFinalized(3, words("The horizon seems extremely distant."))])
+    assert of(out, ReplyInterrupted)
+
+
+def test_the_question_s_words_in_a_short_echo_are_still_its_echo() -> None:
+    """Measured (bench voice, echo through a room): Whisper, prompted with the question "In 1813,", heard the
+    echo of its reply "In 2013: 1913" as "In 1813, In 1813": the question's words, two of them."""
+    conv = unpaused()
+    reply = start_reply(conv, "In 1813.")
+    voice_all(conv, reply, stream_reply(conv, reply, "In 2013: 1913"))
+    assert conv.observe([TranscriptUpdated(2, words("In 1813, In 1813, In 1813"), 0)]) == []
+    assert conv.observe([UtteranceFinalized(2, words("In 1813, In 1813."))]) == []
+
+
 def test_whisper_s_loop_on_a_cut_echo_is_the_echo_not_new_speech() -> None:
     """Measured (bench voice, echo through a room at -6 and 0 dB): the echo of "In 2013: 1913", cut by the
     pause, came back as "In 1813, In 1813, In 1813" and its three "1813"s interrupted the reply."""
