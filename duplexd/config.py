@@ -388,7 +388,8 @@ class TurnConfig:
     over it as loud as it 3-6 dB (docs/benchmarks.md, "Turn-taking ... sixth part")."""
     echo_similarity: float = 0.6
     """Speech heard during a reply that matches a stretch of the reply this well (0..1) is its own echo
-    (the second line, after echo cancellation: what the canceller leaves that the recognizer still hears)."""
+    (the second line, after echo cancellation: what the canceller leaves that the recognizer still hears),
+    unless it matches the question the reply answers better still: that is the user saying it again."""
     backchannels: str = "yeah,yes,yep,yup,okay,ok,right,sure,mm-hmm,mhm,mm,hmm,uh-huh,uh,um,oh,ah,alright,cool,wow"
     """Words that never interrupt (comma-separated, matched case- and punctuation-insensitively)."""
 
