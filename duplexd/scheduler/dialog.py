@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from duplexd.aio import wait_set
 from duplexd.commands import (
     AppendUserText,
     DraftReply,
@@ -390,8 +391,7 @@ class DialogWorker:
                 if cycle is _Cycle.IDLE:
                     break
                 if cycle is _Cycle.WAITING:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), _YIELD_POLL_S)
+                    await wait_set(self._wake, _YIELD_POLL_S)
                     self._wake.clear()
 
     def close_worker(self) -> None:

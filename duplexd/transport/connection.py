@@ -15,13 +15,13 @@ Realtime).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from duplexd.aio import wait_set
 from duplexd.asr.echo import EchoCanceller, EchoLevels, FarEnd
 from duplexd.errors import ErrorCode, Overloaded, ProtocolError
 from duplexd.events import (
@@ -205,8 +205,7 @@ class Connection:
             if delay is None:
                 await self.audio_wake.wait()
                 continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.audio_wake.wait(), delay)
+            await wait_set(self.audio_wake, delay)
 
     def attach(self, link: Link) -> None:
         self.link = link

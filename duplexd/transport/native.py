@@ -109,7 +109,8 @@ class NativeCodec:
                 if target.attached:  # its old socket has not failed yet (a half-open TCP connection): drop it
                     if target.link is not None:
                         target.link.abort()
-                    await asyncio.wait_for(target.link_closed.wait(), 5)
+                    async with asyncio.timeout(5):  # (not wait_for: see duplexd/aio.py)
+                        await target.link_closed.wait()
                 self.conn.resume = (target, msg)
                 return True
             await self.conn.start(msg)

@@ -74,7 +74,8 @@ class WebSocketShell:
     async def _read_loop(self) -> None:
         while True:
             try:
-                message = await asyncio.wait_for(self.ws.recv(), self.idle_s)
+                async with asyncio.timeout(self.idle_s):  # (not wait_for: see duplexd/aio.py)
+                    message = await self.ws.recv()
             except TimeoutError:
                 self.conn.timed_out(self.idle_s or 0.0)
                 return

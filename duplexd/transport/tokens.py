@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from duplexd.aio import wait_set
 from duplexd.config import TransportConfig
 from duplexd.transport.datagram import (
     MAX_PAYLOAD_BYTES,
@@ -123,9 +124,6 @@ class ReplyTokens:
                 continue
             delay = due - time.monotonic()
             if delay > 0:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), delay)
-                except TimeoutError:
-                    pass
+                await wait_set(self._wake, delay)
                 continue
             self._send(self.sender.poll(time.monotonic()))
