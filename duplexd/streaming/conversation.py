@@ -89,6 +89,11 @@ def _norm(word: str) -> str:
     return _NORMALIZE.sub("", word.lower()).strip("-'")
 
 
+def normalized(text: str) -> str:
+    """`text`'s words as the echo checks compare them (`_norm` each, the empty ones dropped)."""
+    return " ".join(n for w in text.split() if (n := _norm(w)))
+
+
 def _whole_characters(text: str) -> str:
     """Decoded reply text without a trailing half UTF-8 character (its next token completes it)."""
     return text[: len(text) - 1] if text.endswith("\ufffd") else text
@@ -183,7 +188,7 @@ class _Reply:
         return {*written, *spoken(written)}
 
     def normalized(self) -> str:
-        return " ".join(n for w in self.text.split() if (n := _norm(w)))
+        return normalized(self.text)
 
     def echo_score(self, heard: str) -> float:
         """`echo_score(heard, the reply so far)`, remembered until the reply's text grows: it is asked again
@@ -498,7 +503,7 @@ class Conversation:
         eos_s = stream_s - silence_ms / 1000
         text = " ".join(self._turn_words)
         out: list[Output] = [TurnEnded(self.turns, text, eos_s, silence_ms, p, p_audio)]
-        self._question = " ".join(n for w in text.split() if (n := _norm(w)))
+        self._question = normalized(text)
         self._turn_words = []
         self._appended.clear()  # (a finished turn's words are never taken back)
         self._last_append = None
