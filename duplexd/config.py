@@ -104,6 +104,13 @@ class AsrConfig:
     # a word cut off there is completed as the decoder likes ("She" -> "Shit."), then withdrawn.
     partial_edge_s: float = 0.3
     partial_edge_probability: float = 0.5  # ... unless the decoder gives it at least this probability
+    # A preview pass (its words shown, then decided again by the utterance's final pass: the window was never
+    # trimmed and is shorter than `trim_after_s`, and `final_redecode` is on) encodes this many seconds, its
+    # window followed by silence (at least twice the window), instead of Whisper's fixed 30 s. tiny.en's
+    # encoder on this CPU: 0.22 s for 30 s, 0.03 s for 10 s. Whisper reads a short input less well (every
+    # pass at 10 s: WER 0.071 against 0.037), so the passes whose words stay (finals, trimmed or long
+    # windows) always encode 30 s. 30: every pass does (docs/benchmarks.md, issue 21, 2026-12-06).
+    preview_encoder_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(self.beam_size >= 1, "asr.beam_size", self.beam_size, ">= 1")
@@ -125,6 +132,9 @@ class AsrConfig:
         _require(self.prompt_max_tokens >= 0, "asr.prompt_max_tokens", self.prompt_max_tokens, ">= 0")
         _require(self.max_tokens_per_s > 0, "asr.max_tokens_per_s", self.max_tokens_per_s, "> 0")
         _require(0.0 <= self.partial_edge_s <= 2.0, "asr.partial_edge_s", self.partial_edge_s, "in [0, 2] seconds")
+        _require(
+            1.0 <= self.preview_encoder_s <= 30.0, "asr.preview_encoder_s", self.preview_encoder_s, "in [1, 30] seconds"
+        )
 
 
 @dataclass(frozen=True, slots=True)

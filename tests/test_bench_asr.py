@@ -74,7 +74,7 @@ def test_a_sentence_said_with_breaths_longer_than_vads_hangover_reads_as_one(eng
         engines.asr,
         SileroVad(),
         SessionConfig(asr=AsrConfig(continue_gap_s=1.0)),
-        lambda window_s, _wall: clock[0] + clock[1] * window_s,
+        lambda window_s, _wall, _preview: clock[0] + clock[1] * window_s,
     )
     finals = [f for _, f in r.finals]
     assert len(finals) >= 3 and all(f.continues == finals[i].utterance for i, f in enumerate(finals[1:]))

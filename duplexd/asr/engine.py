@@ -44,8 +44,9 @@ class Transcription:
 class AsrEngine(Protocol):
     name: str
 
-    def transcribe(self, audio: np.ndarray, prompt: str) -> Transcription:
-        """Transcribe 16 kHz mono float32 `audio`, conditioned on `prompt`. Blocking: run it on a worker."""
+    def transcribe(self, audio: np.ndarray, prompt: str, preview: bool = False) -> Transcription:
+        """Transcribe 16 kHz mono float32 `audio`, conditioned on `prompt`. Blocking: run it on a worker.
+        `preview`: a later pass decides these words again, so the engine may trade accuracy for speed."""
         ...
 
 
@@ -174,7 +175,7 @@ class FasterWhisperEngine:
             words.pop(0)
         return []
 
-    def transcribe(self, audio: np.ndarray, prompt: str) -> Transcription:
+    def transcribe(self, audio: np.ndarray, prompt: str, preview: bool = False) -> Transcription:
         from faster_whisper.audio import pad_or_trim
         from faster_whisper.transcribe import get_compression_ratio
 
@@ -186,7 +187,11 @@ class FasterWhisperEngine:
         frames = min(features.shape[-1] - 1, fe.nb_max_frames)
         if frames <= 0:
             return Transcription(())
-        encoder_output = model.encode(pad_or_trim(features[:, :frames]))
+        padded = pad_or_trim(features[:, :frames])
+        if preview:  # the window and silence after it, not the whole 30 s (`asr.preview_encoder_s`)
+            seconds = max(cfg.preview_encoder_s, 2 * frames * fe.time_per_frame)
+            padded = padded[:, : min(padded.shape[-1], int(round(seconds / fe.time_per_frame)))]
+        encoder_output = model.encode(padded)
         prompt_tokens = self._clip_prompt(prompt)
         max_new = min(16 + int(cfg.max_tokens_per_s * len(audio) / ASR_SAMPLE_RATE), model.max_length // 2)
 

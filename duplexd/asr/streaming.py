@@ -45,6 +45,7 @@ class PassRequest:
     end_sample: int
     final: bool  # covers the utterance up to its end of speech
     generation: int  # which utterance it was taken for
+    preview: bool = False  # its words are only shown: the final pass decides them all again
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +253,10 @@ class StreamingTranscriber:
         """Seconds of audio the next pass would transcribe (its cost, for the ASR scheduler)."""
         return max(0, self._next_end()[0] - self._window_start) / ASR_SAMPLE_RATE
 
+    def next_preview(self) -> bool:
+        """Whether the next pass would be a preview (its own cost, for the ASR scheduler)."""
+        return self._previews(*self._next_end())
+
     def prepare_pass(self) -> PassRequest:
         if not self.wants_pass():
             raise RuntimeError("prepare_pass() called with no pass due")
@@ -264,6 +269,20 @@ class StreamingTranscriber:
             end_sample=end,
             final=final,
             generation=self._generation,
+            preview=self._previews(end, final),
+        )
+
+    def _previews(self, end: int, final: bool) -> bool:
+        """Whether a pass ending at `end` is a preview: the final pass will hear the whole utterance and
+        decide its words again (`_final_words`), and no trim can keep any of them before that."""
+        cfg = self._config
+        return (
+            cfg.final_redecode
+            and cfg.preview_encoder_s < 30.0
+            and not final
+            and self._final_end is None
+            and self._window_start == self._opened_at
+            and end - self._window_start < cfg.trim_after_s * ASR_SAMPLE_RATE
         )
 
     @property
@@ -319,7 +338,13 @@ class StreamingTranscriber:
         self._edge_probability = last.probabilities[-1] if last is not None and last.probabilities else 1.0
         # A pass already covering everything up to the end of speech is as good as the final pass (the rest
         # of the audio is silence): end the utterance now instead of running one more ~1 s pass.
-        covered = self._final_end is not None and self._next is None and request.end_sample >= self._final_end
+        # (Not a preview's: its words are the ones the final decides again.)
+        covered = (
+            self._final_end is not None
+            and self._next is None
+            and request.end_sample >= self._final_end
+            and not request.preview
+        )
         if request.final or covered:
             return self._finalize(self._final_words(request, words, [*newly, *self._agreement.commit_all()]))
         self._committed.extend(newly)

@@ -183,9 +183,15 @@ def _replays(
             result["wer"] / result["wer_offline"] if result["wer_offline"] else None
         )
         if clocks:
-            fixed, per_s = result["pass_cost"]["fixed_s"], result["pass_cost"]["per_window_s"]
+            fits = {False: result["pass_cost"], True: result["preview_pass_cost"] or result["pass_cost"]}
             by_clock = {
-                str(k): replay_clips(clips_in, engine, vad, session, pass_cost=(k * fixed, k * per_s))["wer"]
+                str(k): replay_clips(
+                    clips_in,
+                    engine,
+                    vad,
+                    session,
+                    pass_cost={p: (k * c["fixed_s"], k * c["per_window_s"]) for p, c in fits.items()},
+                )["wer"]
                 for k in clocks
             }
             mean = sum(by_clock.values()) / len(by_clock)
@@ -291,6 +297,12 @@ def table(r: dict[str, Any]) -> str:
             f"{x['split_utterances_rejoined']['rejoined']}/{x['split_utterances_rejoined']['splits']}; word latency "
             f"p50/p90 {f(x['word_latency_p50_s'])}/{f(x['word_latency_p90_s'])} s; pass {f(cost['fixed_s'])} s "
             f"+ {f(cost['per_window_s'])} s per s of window"
+            + (
+                f" (previews {f(preview['fixed_s'])} s + {f(preview['per_window_s'])} s per s, {preview['passes']} "
+                f"of {preview['passes'] + cost['passes']} passes)"
+                if (preview := x.get("preview_pass_cost"))
+                else ""
+            )
         )
         if "wer_by_clock" in x:
             each = ", ".join(f"x{k} {f(v)}" for k, v in x["wer_by_clock"].items())

@@ -39,7 +39,7 @@ class Replayed:
     finals: list[tuple[float, UtteranceFinalized]] = field(default_factory=list)
     passes: int = 0
     busy_s: float = 0.0
-    costs: list[tuple[float, float]] = field(default_factory=list)  # (window s, wall s) of each pass
+    costs: list[tuple[float, float, bool]] = field(default_factory=list)  # (window s, wall s, preview) per pass
 
     @property
     def text(self) -> str:
@@ -63,10 +63,10 @@ def replay(
     engine: AsrEngine,
     vad: SileroVad,
     config: SessionConfig,
-    pass_s: Callable[[float, float], float] | None = None,
+    pass_s: Callable[[float, float, bool], float] | None = None,
 ) -> Replayed:
-    """Stream int16 16 kHz `pcm` through a fresh session. `pass_s(window_s, wall_s)`: how long a pass takes
-    in stream time (default: its wall time here)."""
+    """Stream int16 16 kHz `pcm` through a fresh session. `pass_s(window_s, wall_s, preview)`: how long a
+    pass takes in stream time (default: its wall time here)."""
     session = Session("replay", RATE, config)
     out = Replayed()
     due: list[tuple[float, int, PassRequest, Transcription]] = []  # results in flight, by arrival time
@@ -89,13 +89,13 @@ def replay(
                 return
             request = session.prepare_pass()
             t0 = time.perf_counter()
-            result = engine.transcribe(request.audio, request.prompt)
+            result = engine.transcribe(request.audio, request.prompt, request.preview)
             wall = time.perf_counter() - t0
             out.passes += 1
             out.busy_s += wall
             window_s = len(request.audio) / RATE
-            out.costs.append((window_s, wall))
-            cost = wall if pass_s is None else pass_s(window_s, wall)
+            out.costs.append((window_s, wall, request.preview))
+            cost = wall if pass_s is None else pass_s(window_s, wall, request.preview)
             heapq.heappush(due, (t + cost, out.passes, request, result))
             if not due or due[0][0] > t:
                 return
@@ -125,6 +125,8 @@ def replay(
 
 def fit_pass_cost(costs: list[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares `fixed + per_s x window` (seconds) over measured (window, wall) passes."""
+    if len(costs) < 2:
+        return (costs[0][1], 0.0) if costs else (0.0, 0.0)
     x = np.array(costs, dtype=np.float64)
     design = np.stack([np.ones(len(x)), x[:, 0]], axis=1)
     (fixed, per_s), *_ = np.linalg.lstsq(design, x[:, 1], rcond=None)
@@ -136,19 +138,26 @@ def replay_clips(
     engine: AsrEngine,
     vad: SileroVad,
     config: SessionConfig,
-    pass_cost: tuple[float, float] | None = None,
+    pass_cost: tuple[float, float] | dict[bool, tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
     """Each (pcm, reference, offline words) replayed alone (plus 1 s of silence): WER, flicker, the joins
     of split utterances, and word latency (first shown in its final form, minus the word's end). With
-    `pass_cost` (fixed, per second of window) a pass takes that long, so two configurations meet the same
-    clock; else its own wall time. Also the pass cost fitted from the measured passes."""
-    cost = None if pass_cost is None else (lambda window_s, _wall: pass_cost[0] + pass_cost[1] * window_s)
+    `pass_cost` ((fixed, per second of window), for every pass or by kind: False full passes, True
+    previews) a pass takes that long, so two configurations meet the same clock; else its own wall time.
+    Also the pass costs fitted from the measured passes (`pass_cost`: full passes; `preview_pass_cost`,
+    where there were any)."""
+
+    def cost(window_s: float, _wall: float, preview: bool) -> float:
+        assert pass_cost is not None
+        fixed, per_s = pass_cost[preview] if isinstance(pass_cost, dict) else pass_cost
+        return fixed + per_s * window_s
+
     texts: list[str] = []
     withdrawn = final_words = splits = rejoins = 0
     latencies: list[float] = []
-    costs: list[tuple[float, float]] = []
+    costs: list[tuple[float, float, bool]] = []
     for pcm, _ref, offline in clips:
-        r = replay(np.concatenate([pcm, np.zeros(RATE, np.int16)]), engine, vad, config, cost)
+        r = replay(np.concatenate([pcm, np.zeros(RATE, np.int16)]), engine, vad, config, pass_cost and cost)
         texts.append(r.text)
         n, total = r.flicker()
         withdrawn, final_words = withdrawn + n, final_words + total
@@ -162,7 +171,8 @@ def replay_clips(
                     t for t, u, words in shown if u == final.utterance and len(words) > i and _same(words[i], word)
                 )
                 latencies.append(first - word.end_s)
-    fixed, per_s = fit_pass_cost(costs)
+    fits = {kind: fit_pass_cost([(w, s) for w, s, p in costs if p == kind]) for kind in (False, True)}
+    previews = [s for _, s, p in costs if p]
     return {
         "wer": wer([ref for _, ref, _ in clips], texts),
         "flicker_per_100_words": 100 * withdrawn / max(final_words, 1),
@@ -170,8 +180,18 @@ def replay_clips(
         "word_latency_p50_s": percentile(latencies, 50),
         "word_latency_p90_s": percentile(latencies, 90),
         "passes": len(costs),
-        "pass_cost": {"fixed_s": fixed, "per_window_s": per_s, "mean_s": float(np.mean([w for _, w in costs]))},
+        "pass_cost": _cost(fits[False], [s for _, s, p in costs if not p]),
+        "preview_pass_cost": _cost(fits[True], previews) if previews else None,
         "texts": texts,
+    }
+
+
+def _cost(fit: tuple[float, float], walls: list[float]) -> dict[str, float]:
+    return {
+        "fixed_s": fit[0],
+        "per_window_s": fit[1],
+        "mean_s": float(np.mean(walls)) if walls else 0.0,
+        "passes": len(walls),
     }
 
 

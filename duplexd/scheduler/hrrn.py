@@ -9,7 +9,8 @@ one. HRRN orders by
 
 so a short pass goes first at equal waits, and a long one's ratio rises with its wait until it wins: no
 starvation. `waited` is the age of the oldest speech the pass will cover (the session's ASR lag), `cost`
-comes from `PassCost`, a least-squares line through recent (window seconds, pass seconds) measurements.
+comes from `PassCost`, a least-squares line through recent (window seconds, pass seconds) measurements, one
+line per kind of pass (`PassCosts`: a preview encodes a shorter input than a full pass).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Candidate:
     key: Hashable
     waited_s: float  # age of the oldest speech the pass would cover
     window_s: float  # audio the pass would transcribe
+    preview: bool = False  # a preview pass (a shorter encoder input: its own cost line)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +47,13 @@ class PassCost:
         self._samples.append((window_s, elapsed_s))
         self._fit()
 
-    def __call__(self, window_s: float) -> float:
+    @property
+    def samples(self) -> list[tuple[float, float]]:
+        """The (window seconds, pass seconds) the line is fit through, oldest first."""
+        return list(self._samples)
+
+    def __call__(self, window_s: float, preview: bool = False) -> float:
+        """(One line for every kind of pass: `preview` is not told apart here; see `PassCosts`.)"""
         return max(1e-3, self.fixed_s + self.per_s * window_s)
 
     def _fit(self) -> None:
@@ -63,12 +71,27 @@ class PassCost:
         self.fixed_s, self.per_s = my - slope * mx, slope
 
 
-def ratio(candidate: Candidate, cost: PassCost) -> float:
-    c = cost(candidate.window_s)
+class PassCosts:
+    """A cost line for each kind of pass: a preview encodes a few seconds, a full pass Whisper's 30 s (on
+    this CPU ~0.1 s against ~0.35 s for the same window), so one line through both fits neither."""
+
+    def __init__(self) -> None:
+        self.full = PassCost()
+        self.preview = PassCost(fixed_s=0.1)
+
+    def observe(self, window_s: float, elapsed_s: float, preview: bool = False) -> None:
+        (self.preview if preview else self.full).observe(window_s, elapsed_s)
+
+    def __call__(self, window_s: float, preview: bool = False) -> float:
+        return (self.preview if preview else self.full)(window_s)
+
+
+def ratio(candidate: Candidate, cost: PassCost | PassCosts) -> float:
+    c = cost(candidate.window_s, candidate.preview)
     return (max(0.0, candidate.waited_s) + c) / c
 
 
-def pick(candidates: Sequence[Candidate], cost: PassCost) -> Choice | None:
+def pick(candidates: Sequence[Candidate], cost: PassCost | PassCosts) -> Choice | None:
     """The candidate with the highest response ratio (the first listed wins a tie)."""
     if not candidates:
         return None

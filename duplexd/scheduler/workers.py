@@ -27,7 +27,7 @@ from duplexd.asr.turn_audio import TurnAudioModel
 from duplexd.asr.vad import SileroVad, VadStream
 from duplexd.errors import Overloaded
 from duplexd.events import Event
-from duplexd.scheduler.hrrn import Candidate, Choice, PassCost, pick
+from duplexd.scheduler.hrrn import Candidate, Choice, PassCosts, pick
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ class AsrJob(Protocol):
     def pass_in_flight(self) -> bool: ...
     def wants_pass(self) -> bool: ...
     def next_window_s(self) -> float: ...
+    def next_preview(self) -> bool: ...
     def prepare_pass(self) -> PassRequest: ...
     def apply_pass(self, request: PassRequest, result: Transcription) -> list[Event]: ...
     def abort_pass(self, request: PassRequest) -> list[Event]: ...
@@ -208,7 +209,7 @@ class AsrScheduler:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duplexd-asr")
         self.stats = AsrStats()
-        self.cost = PassCost()
+        self.cost = PassCosts()
         self.schedule: deque[Choice] = deque(maxlen=256)  # recent choices, with every candidate's ratio
         self.busy = False  # a pass is running (low-priority work elsewhere waits for it)
 
@@ -231,17 +232,21 @@ class AsrScheduler:
 
     def _next(self) -> _Client | None:
         due = sorted((c for c in self._clients.values() if c.session.wants_pass()), key=lambda c: c.last_pass)
-        choice = pick([Candidate(c.session.id, c.session.asr_lag_s, c.session.next_window_s()) for c in due], self.cost)
+        candidates = [
+            Candidate(c.session.id, c.session.asr_lag_s, c.session.next_window_s(), c.session.next_preview())
+            for c in due
+        ]
+        choice = pick(candidates, self.cost)
         if choice is None:
             return None
         self.schedule.append(choice)
         return self._clients[choice.key]
 
-    def _transcribe(self, audio: np.ndarray, prompt: str) -> tuple[Transcription, float]:
+    def _transcribe(self, request: PassRequest) -> tuple[Transcription, float]:
         """A pass on the ASR thread, and its own time (not the wait for the cores)."""
         with self._cores if self._cores is not None else contextlib.nullcontext():
             t0 = time.monotonic()
-            result = self._engine.transcribe(audio, prompt)
+            result = self._engine.transcribe(request.audio, request.prompt, request.preview)
             return result, time.monotonic() - t0
 
     async def run(self) -> None:
@@ -254,9 +259,7 @@ class AsrScheduler:
                 request = session.prepare_pass()
                 self.busy = True
                 try:
-                    result, elapsed = await loop.run_in_executor(
-                        self._executor, self._transcribe, request.audio, request.prompt
-                    )
+                    result, elapsed = await loop.run_in_executor(self._executor, self._transcribe, request)
                 except Exception:
                     log.exception("ASR pass failed for session %s", session.id)
                     client.emit(session.abort_pass(request))
@@ -269,11 +272,11 @@ class AsrScheduler:
                 self.stats.busy_s += elapsed
                 self.stats.audio_s += len(request.audio) / ASR_SAMPLE_RATE
                 self.stats.recent_pass_s.append(elapsed)
-                self.cost.observe(len(request.audio) / ASR_SAMPLE_RATE, elapsed)
+                self.cost.observe(len(request.audio) / ASR_SAMPLE_RATE, elapsed, request.preview)
                 log.debug(
                     "session %s: %s pass over %.2f s in %.3f s",
                     session.id,
-                    "final" if request.final else "partial",
+                    "final" if request.final else "preview" if request.preview else "partial",
                     len(request.audio) / ASR_SAMPLE_RATE,
                     elapsed,
                 )

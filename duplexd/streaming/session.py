@@ -302,6 +302,9 @@ class Session:
     def next_window_s(self) -> float:
         return self.transcriber.next_window_s()
 
+    def next_preview(self) -> bool:
+        return self.transcriber.next_preview()
+
     def prepare_pass(self) -> PassRequest:
         return self.transcriber.prepare_pass()
 

@@ -31,6 +31,7 @@ from duplexd.config import ServerConfig
 from duplexd.errors import ErrorCode, ProtocolError
 from duplexd.scheduler.admission import Aimd, AimdConfig
 from duplexd.scheduler.dialog import DialogWorker, LlmEngine
+from duplexd.scheduler.hrrn import PassCost
 from duplexd.scheduler.tts import TtsWorker
 from duplexd.scheduler.workers import AsrScheduler, TurnAudioWorker, VadWorker
 from duplexd.streaming.session import Session, SessionConfig
@@ -273,7 +274,8 @@ class Server:
                 "busy_s": round(stats.busy_s, 3),
                 "window_audio_s": round(stats.audio_s, 3),
                 "pass_p50_s": round(recent[len(recent) // 2], 3) if recent else None,
-                "pass_cost": {"fixed_s": round(self.asr.cost.fixed_s, 3), "per_audio_s": round(self.asr.cost.per_s, 4)},
+                "pass_cost": _cost(self.asr.cost.full),
+                "preview_pass_cost": _cost(self.asr.cost.preview),
                 "contested_choices": sum(len(c.ratios) > 1 for c in self.asr.schedule),
             },
             "echo": {  # the echo cancellers' cost, on the VAD worker's thread
@@ -370,3 +372,7 @@ class Server:
                 ErrorCode.RESUME_REFUSED, "no such session to resume (ended, expired, or not yours)", fatal=True
             )
         return conn
+
+
+def _cost(line: PassCost) -> dict[str, float]:
+    return {"fixed_s": round(line.fixed_s, 3), "per_audio_s": round(line.per_s, 4)}

@@ -69,6 +69,25 @@ def test_a_window_the_prompt_would_leave_unread_is_decoded_without_it(engines, c
     assert "review of activities" in " ".join(words)
 
 
+def test_a_preview_pass_encodes_a_shorter_input_and_reads_clear_speech_as_a_full_pass_does(
+    engines, clip_by_name: dict[str, Clip], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asr = engines.asr
+    encoded: list[int] = []
+    encode = asr._model.encode
+    monkeypatch.setattr(asr._model, "encode", lambda features: encoded.append(features.shape[-1]) or encode(features))
+    clip = clip_by_name["clip02_libri_1272-128104-0000.wav"]  # 5.9 s
+    audio = _audio(clip)
+    full = [norm(w.text) for w in asr.transcribe(audio, "").words]
+    preview = [norm(w.text) for w in asr.transcribe(audio, "", preview=True).words]
+    short = [norm(w.text) for w in asr.transcribe(audio[:32000], "", preview=True).words]
+    # Whisper's 30 s (3000 frames); twice the window; `asr.preview_encoder_s` (10 s) at least.
+    assert encoded[0] == 3000 and encoded[2] == 1000
+    assert encoded[1] == pytest.approx(2 * 100 * len(audio) / 16000, abs=2)
+    assert preview == full
+    assert short and " ".join(short) in " ".join(full)
+
+
 def test_the_packaged_whisper_base_is_a_config_choice(
     clip_by_name: dict[str, Clip], tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -253,6 +253,51 @@ def test_a_trimmed_utterance_keeps_the_words_it_committed() -> None:
     assert texts(done.words)[0] == "Stop."
 
 
+def test_passes_whose_words_the_final_decides_again_are_previews() -> None:
+    """A preview (a cheaper pass: Whisper encodes a shorter input) only where nothing it says can stay: the
+    window was never trimmed and is shorter than `trim_after_s`, and the final pass hears it whole."""
+    t = StreamingTranscriber(AsrConfig(trim_after_s=1.2))
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    sentence = [("Stop.", 0.1, 0.4), ("Go", 0.6, 0.8), ("on", 0.9, 1.1)]
+    kinds = []
+    for _ in range(3):
+        feed(t, 0.4)
+        assert t.next_preview() == (t.next_window_s() < 1.2)
+        request = t.prepare_pass()
+        kinds.append(request.preview)
+        t.apply_pass(request, result(sentence[:1], sentence[1:]))
+    assert kinds == [True, True, False]  # (windows 0.4, 0.8, 1.2 s: the third may trim, and did)
+    feed(t, 0.2)
+    after_trim = t.prepare_pass()
+    assert after_trim.start_sample > SR and after_trim.end_sample - after_trim.start_sample < 1.2 * SR
+    assert not after_trim.preview  # short again, but what it commits stays: the final will not hear it
+
+
+@pytest.mark.parametrize("config", [AsrConfig(final_redecode=False), AsrConfig(preview_encoder_s=30.0)])
+def test_no_previews_where_the_final_does_not_decide_every_word_or_they_are_turned_off(config: AsrConfig) -> None:
+    t = StreamingTranscriber(config)
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    feed(t, 0.4)
+    assert not t.next_preview()
+    assert not t.prepare_pass().preview
+
+
+def test_a_preview_that_covers_the_end_of_speech_does_not_end_the_utterance() -> None:
+    """A partial pass that already covers the end of speech stands in for the final pass, unless it was a
+    preview: the final, a full pass, decides the words."""
+    t = _open_at_1s()
+    preview = t.prepare_pass()
+    assert preview.preview
+    t.speech_stopped(preview.end_sample / SR)  # (VAD's end of speech arrives while the pass runs)
+    assert all(isinstance(e, TranscriptUpdated) for e in t.apply_pass(preview, result(MEN)))
+    final = t.prepare_pass()
+    assert final.final and not final.preview
+    (done,) = t.apply_pass(final, result(MEND[:1]))
+    assert isinstance(done, UtteranceFinalized) and texts(done.words) == ["mend"]
+
+
 def test_speech_stop_beyond_the_audio_is_clamped() -> None:
     t = _open_at_1s()
     t.speech_stopped(99.0)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from duplexd.scheduler.hrrn import Candidate, PassCost, pick, ratio
+from duplexd.scheduler.hrrn import Candidate, PassCost, PassCosts, pick, ratio
 
 
 def test_cost_line_is_learned_from_measurements() -> None:
@@ -50,6 +50,18 @@ def test_a_long_window_wins_once_it_has_waited_long_enough() -> None:
     # Its ratio passes the short one's exactly when waited/cost(long) > waited_short/cost(short).
     assert first_win == pytest.approx(0.5 * cost(12.0) / cost(2.0), abs=0.11)
     assert ratio(Candidate("x", 0.0, 3.0), cost) == 1.0
+
+
+def test_previews_and_full_passes_each_learn_their_own_cost_line() -> None:
+    costs = PassCosts()
+    for window in (1.0, 2.0, 3.0, 4.0) * 4:
+        costs.observe(window, 0.05 + 0.03 * window, preview=True)
+        costs.observe(window, 0.30 + 0.03 * window)
+    assert costs(2.0, preview=True) == pytest.approx(0.11)
+    assert costs(2.0) == pytest.approx(0.36)
+    # At equal waits the cheaper preview goes first, though its window is the longer.
+    choice = pick([Candidate("full", 1.0, 2.0), Candidate("preview", 1.0, 3.0, preview=True)], costs)
+    assert choice is not None and choice.key == "preview"
 
 
 def test_ties_go_to_the_first_listed() -> None:
