@@ -274,6 +274,31 @@ def test_passes_whose_words_the_final_decides_again_are_previews() -> None:
     assert not after_trim.preview  # short again, but what it commits stays: the final will not hear it
 
 
+def test_a_trim_waits_for_a_full_pass_that_reads_the_previews_committed_words_alike() -> None:
+    """What previews committed stays once trimmed away: a full pass that reads it otherwise keeps the
+    window whole, so the final pass, hearing the utterance whole, decides those words."""
+    t = StreamingTranscriber(AsrConfig(trim_after_s=1.2, agreement_n=2))
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    for words in ([("Men.", 0.1, 0.35)], [("Men.", 0.1, 0.35), ("go", 0.5, 0.7)]):
+        feed(t, 0.4)
+        request = t.prepare_pass()
+        assert request.preview
+        t.apply_pass(request, result(words))
+    feed(t, 0.4)
+    full = t.prepare_pass()
+    assert not full.preview
+    (partial,) = t.apply_pass(full, result([("Mend.", 0.1, 0.38)], [("go", 0.5, 0.7), ("on", 0.8, 1.0)]))
+    assert isinstance(partial, TranscriptUpdated) and texts(partial.words)[: partial.committed] == ["Men.", "go"]
+    feed(t, 0.4)
+    t.speech_stopped(t.samples / SR)
+    final = t.prepare_pass()
+    assert final.final and final.start_sample == SR  # not trimmed at "Men."
+    heard = [("Mend.", 0.1, 0.38), ("go", 0.5, 0.7), ("on", 0.8, 1.0), ("now", 1.2, 1.4)]
+    (done,) = t.apply_pass(final, result(heard[:1], heard[1:]))
+    assert texts(done.words) == ["Mend.", "go", "on", "now"]
+
+
 @pytest.mark.parametrize("config", [AsrConfig(final_redecode=False), AsrConfig(preview_encoder_s=30.0)])
 def test_no_previews_where_the_final_does_not_decide_every_word_or_they_are_turned_off(config: AsrConfig) -> None:
     t = StreamingTranscriber(config)
