@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from duplexd.aio import wait_set
 from duplexd.bench.loss import LinkConfig
 from duplexd.bench.relay import UdpRelay
 from duplexd.transport import datagram as dg
@@ -237,10 +238,7 @@ async def run_stream(
             due = sender.next_timer()
             wake.clear()
             timeout = 0.05 if due is None else max(0.0, due - time.monotonic())
-            try:
-                await asyncio.wait_for(wake.wait(), timeout)
-            except TimeoutError:
-                pass
+            await wait_set(wake, timeout)
             for packet in sender.poll(time.monotonic()):
                 bytes_sent += server.send(tag, packet)
 
@@ -248,10 +246,7 @@ async def run_stream(
         async with asyncio.TaskGroup() as tg:
             tg.create_task(hello())
             tasks = [tg.create_task(produce()), tg.create_task(timers())]
-            try:
-                await asyncio.wait_for(done.wait(), stream.duration_s + STREAM_TIMEOUT_S)
-            except TimeoutError:
-                pass
+            await wait_set(done, stream.duration_s + STREAM_TIMEOUT_S)
             done.set()
             for task in tasks:
                 task.cancel()
