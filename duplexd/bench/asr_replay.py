@@ -152,12 +152,13 @@ def replay_clips(
         fixed, per_s = pass_cost[preview] if isinstance(pass_cost, dict) else pass_cost
         return fixed + per_s * window_s
 
+    clock = None if pass_cost is None else cost
     texts: list[str] = []
     withdrawn = final_words = splits = rejoins = 0
     latencies: list[float] = []
     costs: list[tuple[float, float, bool]] = []
     for pcm, _ref, offline in clips:
-        r = replay(np.concatenate([pcm, np.zeros(RATE, np.int16)]), engine, vad, config, pass_cost and cost)
+        r = replay(np.concatenate([pcm, np.zeros(RATE, np.int16)]), engine, vad, config, clock)
         texts.append(r.text)
         n, total = r.flicker()
         withdrawn, final_words = withdrawn + n, final_words + total
