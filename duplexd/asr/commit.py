@@ -11,6 +11,7 @@ from duplexd.events import Word
 _STRIP = re.compile(r"[^\w']+")
 _DEDUP_MAX_WORDS = 5
 _TIME_TOLERANCE_S = 0.1
+_EPSILON_S = 1e-9
 _ALIGN_REACH = 3  # words either side of the time cut searched for the committed tail
 _ALIGN_MAX_SHIFT_S = 0.3  # a committed word found again "in place" starts at most this far from where it was
 
@@ -96,7 +97,9 @@ class LocalAgreement:
         are found in place, and a committed word recognised again is not committed twice.
         """
         cut = 0
-        while cut < len(words) and words[cut].start_s <= self.committed_end_s - _TIME_TOLERANCE_S:
+        # (`_EPSILON_S`: a start exactly the tolerance before the committed end is cut, whatever float rounding
+        # made of the subtraction: 10.05 vs 10.15 - 0.1 = 10.049999..., and one word was committed twice)
+        while cut < len(words) and words[cut].start_s <= self.committed_end_s - _TIME_TOLERANCE_S + _EPSILON_S:
             cut += 1
         if not self._committed_tail:
             return list(words[cut:])

@@ -312,3 +312,11 @@ def test_one_shared_word_does_not_pull_the_cut_back() -> None:
     la.insert([Word("a", 0.0, 0.2), Word("the", 0.2, 0.5)])
     got = la.insert([Word("the", 0.0, 0.1), Word("cat", 0.6, 0.9)])
     assert texts(got) == ["cat"]
+
+
+def test_a_word_starting_exactly_the_tolerance_before_the_committed_end_is_not_committed_again() -> None:
+    # Found by the property test above: the same word read "a" (9.95-10.15 s, the end as float arithmetic
+    # left it) then "the" from 10.05 s; 10.15 - 0.1 rounds below 10.05, and both were committed.
+    la = LocalAgreement(1)
+    assert la.insert([Word("a", 9.95, 10.149999999999999)])
+    assert la.insert([Word("the", 10.05, 10.25)]) == []
