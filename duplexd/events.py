@@ -35,7 +35,8 @@ class SpeechStopped:
 class TranscriptUpdated:
     """Partial transcript of the current utterance: `words[:committed]` are final, the rest may change.
     `unsure`: how many of the last words a display holds back (a word at the end of the audio decoded that
-    may be cut off mid-way); the listener's own stages (drafts, barge-in) read them all."""
+    may be cut off mid-way, or a phrase the decoder repeated there); the listener's own stages (drafts,
+    barge-in) read them all."""
 
     utterance: int
     words: tuple[Word, ...]

@@ -33,6 +33,7 @@ _ONSET_SLACK_S = 0.5  # a continuation's context word found again starts at most
 _STALL_S = 1.0  # a continuation none of whose passes read past its context this long after its onset drops it
 _SAID_WORDS = 128  # committed words kept for the decoder prompt (it uses at most `prompt_chars` of them)
 _SENTENCE_ENDS = (".", "?", "!")
+_LOOP_MAX_WORDS = 4  # the longest phrase a partial pass's trailing repetition loop is looked for in
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,6 +466,10 @@ class StreamingTranscriber:
         # completes as it likes ("She..." -> "Shit."). Shown once a pass has heard past it.
         unsure = int(bool(at_edge) and self._edge_probability < self._config.partial_edge_probability)
         words = (*self._committed, *tentative)
+        # Where the audio stops mid-word the decoder can loop ("which led me to lead me to lead", "in this
+        # regard. in this regard."), a preview the more: the repeats are held back too. Drafts and barge-in
+        # still read them (a user saying "stop stop stop" over a reply), and the final pass decides them.
+        unsure = max(unsure, min(len(tentative), _trailing_loop(words)))
         state = (words, len(self._committed), unsure)
         if not words or state == self._last_partial:
             return []
@@ -519,6 +524,20 @@ class StreamingTranscriber:
                 break
             text = f"{word} {text}" if text else word
         return text
+
+
+def _trailing_loop(words: Sequence[Word]) -> int:
+    """How many words at the end of `words` repeat the phrase (up to `_LOOP_MAX_WORDS` words) before them,
+    as often as they do: 3 for "... which led me to lead me to lead", 3 for "what what what what"."""
+    keys = [norm(w.text) for w in words]
+    end = len(keys)
+    while n := next((n for n in range(1, _LOOP_MAX_WORDS + 1) if end >= 2 * n and _repeats(keys, end, n)), 0):
+        end -= n
+    return len(keys) - end
+
+
+def _repeats(keys: list[str], end: int, n: int) -> bool:
+    return keys[end - n : end] == keys[end - 2 * n : end - n]
 
 
 def _respelled(text: str, head: Sequence[str]) -> int:

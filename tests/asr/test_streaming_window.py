@@ -865,3 +865,45 @@ def test_an_unsure_last_word_at_the_end_of_the_audio_waits_for_the_next_pass(
     done = Transcription((Segment(0.0, end_s + 0.3, heard_past, 0.0, -0.1, (0.9, probability, 0.9)),))
     (e,) = t.apply_pass(request, done)  # a pass heard past it: shown, whatever its probability
     assert isinstance(e, TranscriptUpdated) and texts(e.words) == ["hello", "world", "again"]
+
+
+@pytest.mark.parametrize(
+    ("heard", "shown"),
+    [
+        ("which led me to lead me to lead", "which led me to lead"),
+        ("in this regard. In this regard.", "in this regard."),
+        ("what what what what", "what"),
+        ("ask what, ask what", "ask what,"),
+        ("ask what you can do", "ask what you can do"),  # (no loop: every word shown)
+        ("that that", "that"),
+    ],
+)
+def test_a_partial_pass_looping_at_the_end_of_its_audio_shows_the_phrase_once(heard: str, shown: str) -> None:
+    t = _open_at_1s()
+    words = [(w, 0.05 + 0.02 * i, 0.06 + 0.02 * i) for i, w in enumerate(heard.split())]
+    (e,) = t.apply_pass(t.prepare_pass(), result(words))
+    assert isinstance(e, TranscriptUpdated) and e.text == shown
+    assert texts(e.words) == heard.split()  # (drafts and barge-in read every word: "stop stop stop")
+
+
+def test_a_loop_is_held_back_only_where_its_words_are_not_committed() -> None:
+    t = StreamingTranscriber(AsrConfig(agreement_n=2))
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    feed(t, 0.256)
+    no_no = [("no", 0.05, 0.1), ("no", 0.12, 0.2)]
+    (e,) = t.apply_pass(t.prepare_pass(), result(no_no))
+    assert e.text == "no"
+    feed(t, 0.256)
+    (e,) = t.apply_pass(t.prepare_pass(), result(no_no))  # two passes agree: both committed, both shown
+    assert isinstance(e, TranscriptUpdated) and (e.committed, e.text) == (2, "no no")
+
+
+def test_the_final_pass_keeps_a_phrase_said_twice() -> None:
+    t = _open_at_1s()
+    t.apply_pass(t.prepare_pass(), result([("no", 0.05, 0.1), ("no", 0.12, 0.2)]))
+    t.speech_stopped(1.25)
+    request = t.prepare_pass()
+    assert request.final
+    (e,) = t.apply_pass(request, result([("no", 0.05, 0.1), ("no", 0.12, 0.2)]))
+    assert isinstance(e, UtteranceFinalized) and texts(e.words) == ["no", "no"]
