@@ -52,8 +52,7 @@ class PassCost:
         """The (window seconds, pass seconds) the line is fit through, oldest first."""
         return list(self._samples)
 
-    def __call__(self, window_s: float, preview: bool = False) -> float:
-        """(One line for every kind of pass: `preview` is not told apart here; see `PassCosts`.)"""
+    def __call__(self, window_s: float) -> float:
         return max(1e-3, self.fixed_s + self.per_s * window_s)
 
     def _fit(self) -> None:
@@ -75,9 +74,9 @@ class PassCosts:
     """A cost line for each kind of pass: a preview encodes a few seconds, a full pass Whisper's 30 s (on
     this CPU ~0.1 s against ~0.35 s for the same window), so one line through both fits neither."""
 
-    def __init__(self) -> None:
-        self.full = PassCost()
-        self.preview = PassCost(fixed_s=0.1)
+    def __init__(self, full: PassCost | None = None, preview: PassCost | None = None) -> None:
+        self.full = full if full is not None else PassCost()
+        self.preview = preview if preview is not None else PassCost(fixed_s=0.1)
 
     def observe(self, window_s: float, elapsed_s: float, preview: bool = False) -> None:
         (self.preview if preview else self.full).observe(window_s, elapsed_s)
@@ -86,12 +85,12 @@ class PassCosts:
         return (self.preview if preview else self.full)(window_s)
 
 
-def ratio(candidate: Candidate, cost: PassCost | PassCosts) -> float:
+def ratio(candidate: Candidate, cost: PassCosts) -> float:
     c = cost(candidate.window_s, candidate.preview)
     return (max(0.0, candidate.waited_s) + c) / c
 
 
-def pick(candidates: Sequence[Candidate], cost: PassCost | PassCosts) -> Choice | None:
+def pick(candidates: Sequence[Candidate], cost: PassCosts) -> Choice | None:
     """The candidate with the highest response ratio (the first listed wins a tie)."""
     if not candidates:
         return None

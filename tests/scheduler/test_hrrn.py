@@ -37,7 +37,7 @@ def test_cost_keeps_its_prior_until_it_has_enough_samples_and_never_slopes_down(
 
 def test_equal_waits_shortest_window_first() -> None:
     cost = PassCost(fixed_s=0.3, per_s=0.05)
-    choice = pick([Candidate("long", 1.0, 12.0), Candidate("short", 1.0, 2.0)], cost)
+    choice = pick([Candidate("long", 1.0, 12.0), Candidate("short", 1.0, 2.0)], PassCosts(full=cost))
     assert choice is not None and choice.key == "short"
     assert choice.ratios["short"] > choice.ratios["long"]
 
@@ -46,10 +46,11 @@ def test_a_long_window_wins_once_it_has_waited_long_enough() -> None:
     cost = PassCost(fixed_s=0.3, per_s=0.05)
     short = Candidate("short", 0.5, 2.0)
     waits = [w / 10 for w in range(0, 100)]
-    first_win = next(w for w in waits if pick([Candidate("long", w, 12.0), short], cost).key == "long")  # type: ignore[union-attr]
+    costs = PassCosts(full=cost)
+    first_win = next(w for w in waits if pick([Candidate("long", w, 12.0), short], costs).key == "long")  # type: ignore[union-attr]
     # Its ratio passes the short one's exactly when waited/cost(long) > waited_short/cost(short).
     assert first_win == pytest.approx(0.5 * cost(12.0) / cost(2.0), abs=0.11)
-    assert ratio(Candidate("x", 0.0, 3.0), cost) == 1.0
+    assert ratio(Candidate("x", 0.0, 3.0), costs) == 1.0
 
 
 def test_previews_and_full_passes_each_learn_their_own_cost_line() -> None:
@@ -65,10 +66,10 @@ def test_previews_and_full_passes_each_learn_their_own_cost_line() -> None:
 
 
 def test_ties_go_to_the_first_listed() -> None:
-    cost = PassCost()
-    choice = pick([Candidate("a", 1.0, 4.0), Candidate("b", 1.0, 4.0)], cost)
+    costs = PassCosts()
+    choice = pick([Candidate("a", 1.0, 4.0), Candidate("b", 1.0, 4.0)], costs)
     assert choice is not None and choice.key == "a"
-    assert pick([], cost) is None
+    assert pick([], costs) is None
 
 
 @dataclass
@@ -83,6 +84,7 @@ class _Job:
 def _serve(jobs: list[_Job], policy: str, cost: PassCost) -> list[_Job]:
     """One server, non-preemptive; `policy` chooses among the jobs that have arrived."""
     pending = sorted(jobs, key=lambda j: j.arrival)
+    costs = PassCosts(full=cost)
     clock, queue, done = 0.0, [], []
     while pending or queue:
         while pending and pending[0].arrival <= clock:
@@ -96,7 +98,7 @@ def _serve(jobs: list[_Job], policy: str, cost: PassCost) -> list[_Job]:
             job = min(queue, key=lambda j: (j.window_s, j.arrival))
         else:
             candidates = [Candidate(j.name, clock - j.arrival, j.window_s) for j in queue]
-            job = next(j for j in queue if j.name == pick(candidates, cost).key)  # type: ignore[union-attr]
+            job = next(j for j in queue if j.name == pick(candidates, costs).key)  # type: ignore[union-attr]
         queue.remove(job)
         job.started, job.finished = clock, clock + cost(job.window_s)
         clock = job.finished
