@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from duplexd.clients.clips import RATE, load, silence
+from duplexd.asr.vad import VAD_CHUNK_S
+from duplexd.clients.clips import RATE, load, silence, silence_around
 from duplexd.clients.clips import speech_end_s as speech_end_s
 from duplexd.clients.clips import speech_start_s as speech_start_s
 from duplexd.clients.converse import ConversationResult
@@ -27,6 +28,7 @@ from duplexd.config import ServerConfig, TtsConfig
 # Word boundaries found by Whisper word timestamps on these files (see test_scenarios for the check).
 PAUSE_CLIP = "clip16_sb_example1.wav"  # "The birch canoe slid on the | smooth planks."
 PAUSE_AT_S = (2.18, 2.36)  # the quietest 10 ms in here is where the pause goes
+RESUMES_S = 0.3  # a mid-sentence point has at least this much speech after it
 BACKCHANNEL_CLIP = "clip23_ami_meeting_30s.wav"  # a meeting: someone says "Okay, okay." alone
 BACKCHANNEL_SPAN_S = (8.2, 9.4)
 BACKCHANNEL_GAIN = 3.0  # a quiet far-field speaker in the meeting; brought to talking level
@@ -40,12 +42,42 @@ def quietest_cut(audio: np.ndarray, lo_s: float, hi_s: float, window_s: float = 
     return lo + int(np.argmin(energy)) * (w // 2) + w // 2
 
 
-def with_pause(audio: np.ndarray, lo_s: float, hi_s: float, pause_s: float) -> tuple[np.ndarray, float]:
-    """`audio` with `pause_s` of silence inserted at its quietest point in [lo_s, hi_s]; returns the audio
-    and the time the speech resumes."""
+def mid_speech_cut(audio: np.ndarray, lo_s: float, hi_s: float) -> int | None:
+    """`quietest_cut` in [lo_s, hi_s] where the speech goes on after it (at least `RESUMES_S` of it): a
+    point mid-sentence. None where the speech is over by then (a clip with its silence in that span)."""
     cut = quietest_cut(audio, lo_s, hi_s)
-    out = np.concatenate([audio[:cut], silence(pause_s), audio[cut:]])
-    return out, cut / RATE + pause_s
+    return cut if speech_end_s(audio) - cut / RATE >= RESUMES_S else None
+
+
+def with_pause(
+    audio: np.ndarray, lo_s: float, hi_s: float, pause_s: float, lead_s: float = 0.0
+) -> tuple[np.ndarray, float]:
+    """`audio` with a pause of `pause_s` at its quietest point in [lo_s, hi_s], as Silero VAD hears it from
+    the last word to the next: the silence inserted there is `pause_s` less the gap VAD already hears
+    around that point (0.1-0.25 s at some of the question clips' word boundaries), and less the time VAD
+    then takes to hear a soft onset after it ("... a new | home": up to 0.2 s, by where its 32 ms chunks
+    fall: `lead_s`, the silence that will be sent before `audio`, places them). Returns the audio and the
+    time VAD hears the speech resume."""
+    cut = quietest_cut(audio, lo_s, hi_s)
+    lead = silence(lead_s)
+
+    def heard(out: np.ndarray, at: int) -> tuple[float, float]:
+        """The silence VAD hears around `at` in `out` sent after the lead: its length, and where it ends."""
+        before, after = silence_around(np.concatenate([lead, out]), len(lead) + at)
+        return before + after, at / RATE + after
+
+    inserted = max(0.0, pause_s - heard(audio, cut)[0])
+    tried: list[tuple[float, np.ndarray, float]] = []  # (|heard - pause_s|, audio, resumes)
+    for _ in range(5):  # (the onset's delay varies with the silence before it: a few corrections, the closest)
+        gap = silence(inserted)
+        out = np.concatenate([audio[:cut], gap, audio[cut:]])
+        length, resume_s = heard(out, cut + len(gap) // 2)
+        tried.append((abs(length - pause_s), out, resume_s))
+        if abs(length - pause_s) <= VAD_CHUNK_S or (inserted == 0 and length > pause_s):
+            break
+        inserted = max(0.0, inserted + pause_s - length)
+    _, out, resume_s = min(tried, key=lambda t: t[0])
+    return out, resume_s
 
 
 def backchannel(speech_dir: Path) -> np.ndarray:

@@ -137,7 +137,7 @@ async def unsafe_pass(
     said: list[tuple[str, np.ndarray, float]] = [(c.path.name, *_say(c.path)) for c in clips]
     for pause_s in pauses if pause_clip is not None else ():
         assert pause_clip is not None
-        paused, _ = sc.with_pause(sc.load(pause_clip), *sc.PAUSE_AT_S, pause_s)
+        paused, _ = sc.with_pause(sc.load(pause_clip), *sc.PAUSE_AT_S, pause_s, 0.5)
         audio = np.concatenate([sc.silence(0.5), paused])
         said.append((f"{pause_clip.name} +{pause_s}s pause", audio, sc.speech_end_s(audio)))
     wall = time.time() - time.monotonic()  # (the MCP server logs wall-clock time)

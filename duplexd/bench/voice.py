@@ -6,8 +6,9 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
 - question: a clip, then silence. Latencies from the end of the speech (eos, where Silero VAD run offline
   over the composed audio last hears speech) to the first reply text and the first reply audio arriving
   at the client. A turn that ends before eos is a premature endpoint.
-- pause: the same clip with a pause (0.4, 0.6, 0.8 and 1.0 s) inserted at its quietest point
-  mid-sentence; ending the turn during the pause is a premature endpoint.
+- pause: each question clip with a pause (0.4, 0.6, 0.8 and 1.0 s, from the last word to the next, as
+  VAD hears it) at its quietest point between 40 % and 60 % of its length, where the speech goes on
+  after it; ending the turn during the pause is a premature endpoint.
 - backchannel: "okay, okay" (a real meeting recording) said while the reply plays; any interruption is a
   false barge-in.
 - noise: sounds that are not words while the reply plays (`scenarios.noises`: a cough, a clatter, a
@@ -183,6 +184,18 @@ def _questions(clips: list[Clip], quick: bool) -> list[Clip]:
     return questions[:1] if quick else questions
 
 
+def _pausable(questions: list[Clip]) -> list[tuple[Clip, np.ndarray]]:
+    """The questions with a mid-sentence point between 40 % and 60 % of their length (every one but a clip
+    whose speech is over by then), and their audio."""
+    out = []
+    for clip in questions:
+        speech = sc.load(clip.path)
+        d = len(speech) / sc.RATE
+        if sc.mid_speech_cut(speech, 0.4 * d, 0.6 * d) is not None:
+            out.append((clip, speech))
+    return out
+
+
 def _overlapped(questions: list[Clip]) -> list[Clip]:
     """The questions whose replies are talked over, backchanneled, echoed (one room each)."""
     return questions[: max(1, len(questions) // 3)]
@@ -250,10 +263,9 @@ async def _conversations(
                 print(f"  question over WebRTC {clip.path.name}: {asdict(runs[-1])}", flush=True)
     if "pause" in scenarios:
         for pause_s in PAUSES_S[1:2] if quick else PAUSES_S:
-            for clip in questions[: max(1, len(questions) // 2)]:
-                speech = sc.load(clip.path)
+            for clip, speech in _pausable(questions):
                 d = len(speech) / sc.RATE
-                paused, resume_s = sc.with_pause(speech, 0.4 * d, 0.6 * d, pause_s)
+                paused, resume_s = sc.with_pause(speech, 0.4 * d, 0.6 * d, pause_s, len(lead) / sc.RATE)
                 audio = np.concatenate([lead, paused])
                 result = await converse_pcm(url, audio, sc.RATE, max_s=60)
                 run = _measure("pause", clip, result, sc.speech_end_s(audio), len(lead) / sc.RATE + resume_s)

@@ -94,3 +94,21 @@ def speech_start_s(audio: np.ndarray, threshold: float = 0.5) -> float:
 
     voiced = _voiced_chunks(audio, threshold)
     return float(voiced[0] * VAD_CHUNK_SAMPLES / RATE) if len(voiced) else 0.0
+
+
+def silence_around(audio: np.ndarray, at: int, threshold: float = 0.5) -> tuple[float, float]:
+    """Seconds of silence (no 32 ms chunk Silero VAD calls speech) in `audio` right before and right after
+    sample `at`: (0, 0) where `at` falls in speech."""
+    from duplexd.asr.vad import VAD_CHUNK_SAMPLES
+
+    voiced = _voiced_chunks(audio, threshold)
+    starts = voiced * VAD_CHUNK_SAMPLES
+    ends = starts + VAD_CHUNK_SAMPLES
+    if len(voiced) and np.any((starts <= at) & (at < ends)):
+        return 0.0, 0.0
+    before = ends[ends <= at]
+    after = starts[starts > at]
+    return (
+        float(at - before.max()) / RATE if len(before) else at / RATE,
+        float(after.min() - at) / RATE if len(after) else (len(audio) - at) / RATE,
+    )

@@ -65,7 +65,7 @@ async def test_a_question_gets_a_spoken_reply(make_server, clip_by_name) -> None
 async def test_a_mid_sentence_pause_does_not_end_the_turn(make_server, clip_by_name) -> None:
     srv = await make_server()
     speech = sc.load(clip_by_name[sc.PAUSE_CLIP].path)
-    paused, resumes_s = sc.with_pause(speech, *sc.PAUSE_AT_S, pause_s=0.8)
+    paused, resumes_s = sc.with_pause(speech, *sc.PAUSE_AT_S, pause_s=0.8, lead_s=0.5)
     audio = np.concatenate([sc.silence(0.5), paused])
     result = await converse_pcm(srv.url, audio, sc.RATE, max_s=90)
     turns = result.of_type("turn.ended")

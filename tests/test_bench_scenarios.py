@@ -1,0 +1,59 @@
+"""The conversation scenarios `bench voice` composes: a mid-sentence pause is as long as it says, as VAD
+hears it from the last word to the next."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
+from duplexd.bench import scenarios as sc
+from duplexd.bench.voice import _pausable, _questions
+from duplexd.clients.clips import Clip, silence_around
+
+LEAD_S = 0.5  # (what bench voice sends before each clip)
+
+
+def _silence_at(audio: np.ndarray, t_s: float) -> tuple[float, float]:
+    """The run of 32 ms chunks Silero VAD does not call speech around `t_s` (its length, and where it
+    ends): computed here chunk by chunk, not by the code under test."""
+    k = len(audio) // VAD_CHUNK_SAMPLES
+    chunks = (audio[: k * VAD_CHUNK_SAMPLES].astype(np.float32) / 32768).reshape(k, -1)
+    (probs,) = SileroVad().probabilities([VadStream()], [chunks])
+    chunk_s = VAD_CHUNK_SAMPLES / sc.RATE
+    lo = hi = int(t_s / chunk_s)
+    assert probs[lo] < 0.5
+    while lo > 0 and probs[lo - 1] < 0.5:
+        lo -= 1
+    while hi < k and probs[hi] < 0.5:
+        hi += 1
+    return (hi - lo) * chunk_s, hi * chunk_s
+
+
+def test_silence_around_a_point_in_speech_is_none_and_in_a_gap_is_the_gap(clip_by_name: dict[str, Clip]) -> None:
+    speech = sc.load(clip_by_name[sc.PAUSE_CLIP].path)
+    word = round(1.0 * sc.RATE)  # ("The birch canoe ...": in a word)
+    assert silence_around(speech, word) == (0.0, 0.0)
+    gapped = np.concatenate([speech[:word], sc.silence(0.7), speech[word:]])
+    before, after = silence_around(gapped, word + round(0.2 * sc.RATE))
+    assert before + after == pytest.approx(0.7, abs=0.1)
+    assert before == pytest.approx(0.2, abs=0.07)
+
+
+def test_a_clip_whose_speech_is_over_by_its_middle_has_no_mid_sentence_point(clips: list[Clip]) -> None:
+    pausable = [c.path.name for c, _ in _pausable(_questions(clips, quick=False))]
+    assert "clip19_fw_stereo_right.wav" not in pausable  # ("The horizon seems extremely distant." then silence)
+    assert sc.PAUSE_CLIP in pausable and "clip02_libri_1272-128104-0000.wav" in pausable
+    assert len(pausable) >= 12
+
+
+def test_a_pause_is_heard_as_long_as_asked_where_the_cut_falls_in_a_gap_of_its_own(clips: list[Clip]) -> None:
+    # clip06's quietest point mid-sentence is a 0.25 s gap between two words: a 1.0 s pause inserted
+    # there was heard as 1.25 s (longer than `turn.max_silence_ms`); clip22's "home" after it starts softly.
+    for clip, speech in _pausable(_questions(clips, quick=False)):
+        d = len(speech) / sc.RATE
+        paused, resumes_s = sc.with_pause(speech, 0.4 * d, 0.6 * d, 1.0, lead_s=LEAD_S)
+        inside_s = LEAD_S + sc.quietest_cut(speech, 0.4 * d, 0.6 * d) / sc.RATE + 0.3  # (in the pause)
+        heard_s, ends_s = _silence_at(np.concatenate([sc.silence(LEAD_S), paused]), inside_s)
+        assert heard_s == pytest.approx(1.0, abs=0.07), clip.path.name
+        assert LEAD_S + resumes_s == pytest.approx(ends_s, abs=0.04), clip.path.name
