@@ -346,7 +346,11 @@ class TurnConfig:
     """Silence that ends a turn the LLM finds complete (P(end of turn) >= p_complete). With utterances
     finalized at the pause, the first half of a sentence is final and scored within ~0.65 s here, and
     when Whisper punctuates it as a sentence 250 ms (and 500 ms) ended turns inside 0.7 s mid-sentence
-    pauses; speculation drafts the reply during this wait."""
+    pauses; speculation drafts the reply during this wait. The trade-off, measured (`bench voice`, 60
+    mid-sentence pauses of 0.4-1.0 s in 15 clips): 800 let 6 of them end the turn, each 0.8-1.0 s long
+    after words that sound and read finished ("The frosty air passed | through the coat"); 1100 none,
+    at +0.29 s from the end of speech to the end of every turn (docs/benchmarks.md, "Turn-taking ...
+    ninth part")."""
     max_silence_ms: int = 1200
     """Silence that ends a turn the LLM finds incomplete (P(end of turn) <= p_incomplete), or unknown."""
     # Measured with SmolLM2-135M on punctuated Whisper text: finished sentences score 0.002-0.65, sentences
@@ -381,8 +385,8 @@ class TurnConfig:
     """At or above this P(turn over) from the audio, the speech sounds finished and the text's wait stands;
     between `audio_incomplete` and this, the audio asks for a wait falling linearly from `max_silence_ms`
     to `min_silence_ms`, and the turn waits the longer of the two. (Smart Turn on bench voice's questions:
-    12 of 16 real turn ends score 0.96 or more; a 0.8-1.0 s mid-sentence pause in clip06 scored 0.53 and,
-    with the text's 800 ms, ended the turn: docs/benchmarks.md, "Turn-taking".)"""
+    12 of 16 real turn ends score 0.96 or more, and 9 of 15 mid-sentence pauses of 1.0 s 0.9 or more:
+    docs/benchmarks.md, "Turn-taking".)"""
     echo_cancellation: str = "gate"
     """The reply's echo in the microphone (WebRTC AEC3 against the reply audio sent, placed by the client's
     playback; sessions with reply audio, and only once the microphone is heard to follow the loudspeaker).
