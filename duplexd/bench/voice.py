@@ -498,6 +498,7 @@ def run(
         "benchmark": "voice",
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "config_toml": None if config is None else config.read_text(),  # (`--config`; `settings` go on top)
         **on,  # (the server as configured: its keys at the top, as before `--baseline`)
         "on": {k: v for k, v in on.items() if k != "runs"},
         "off": off,

@@ -37,6 +37,7 @@ def test_bench_voice_quick(clips: list[Clip], tmp_path: Path, capsys) -> None:
     args = argparse.Namespace(data=clips[0].path.parent.parent, config=None, quick=True, out=out)
     assert voice.main(args) == 0
     result = json.loads(out.read_text())
+    assert result["config_toml"] is None  # (no --config: the servers ran on the defaults and `settings`)
     for key in KEYS:
         assert result[key] is not None, key
     counts = dict(question=1, pause=1, backchannel=1, noise=3, echo=2, talk_over=1, talk_over_echo=1, repeat=1)
