@@ -262,8 +262,9 @@ async def _conversations(
                 runs.append(await _webrtc_question(base, clip))
                 print(f"  question over WebRTC {clip.path.name}: {asdict(runs[-1])}", flush=True)
     if "pause" in scenarios:
+        pausable = _pausable(questions)
         for pause_s in PAUSES_S[1:2] if quick else PAUSES_S:
-            for clip, speech in _pausable(questions):
+            for clip, speech in pausable:
                 d = len(speech) / sc.RATE
                 paused, resume_s = sc.with_pause(speech, 0.4 * d, 0.6 * d, pause_s, len(lead) / sc.RATE)
                 audio = np.concatenate([lead, paused])

@@ -7,14 +7,19 @@ each as 16 kHz PCM16 mono, and where its speech ends.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import soundfile as sf
 import soxr
+
+if TYPE_CHECKING:
+    from duplexd.asr.vad import SileroVad
 
 DATA_ENV = "DUPLEXD_TEST_DATA"
 RATE = 16_000
@@ -70,13 +75,22 @@ def silence(seconds: float) -> np.ndarray:
     return np.zeros(round(seconds * RATE), np.int16)
 
 
+@functools.cache
+def _vad() -> SileroVad:
+    """One Silero VAD for the process (its ONNX session; each call brings its own `VadStream`): a pause
+    composed for `bench voice` asks for it several times."""
+    from duplexd.asr.vad import SileroVad
+
+    return SileroVad()
+
+
 def _voiced_chunks(audio: np.ndarray, threshold: float) -> np.ndarray:
     """Indices of the 32 ms chunks of `audio` that Silero VAD calls speech."""
-    from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
+    from duplexd.asr.vad import VAD_CHUNK_SAMPLES, VadStream
 
     x = audio.astype(np.float32) / 32768.0
     k = len(x) // VAD_CHUNK_SAMPLES
-    (probs,) = SileroVad().probabilities([VadStream()], [x[: k * VAD_CHUNK_SAMPLES].reshape(k, -1)])
+    (probs,) = _vad().probabilities([VadStream()], [x[: k * VAD_CHUNK_SAMPLES].reshape(k, -1)])
     return np.flatnonzero(probs >= threshold)
 
 
