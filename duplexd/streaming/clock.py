@@ -37,9 +37,12 @@ class PlaybackClock:
         if self._anchor is not None:
             samples, at = self._anchor
             played = min(sent, samples + int((now - at) * self.rate))
-            if played == sent and not self.reports:
-                # Played to the end: from here the client waits. No report will correct the estimate, so
-                # the wait must not count as playing, or the next reply would go out that much too fast.
+            if played == sent:
+                # Played to the end: from here the client waits, and the wait must not count as playing, or
+                # the next reply's audio would be taken as played the moment it went out (it would be sent
+                # all at once, and its reply over before the user heard it: nothing could interrupt it). A
+                # client that reports does not report while it waits (its position does not move), so its
+                # next report comes only once that audio plays: no report corrects the estimate in time.
                 self._anchor = (played, now)
             return played
         self._virtual = min(sent, self._virtual + int((now - self._virtual_at) * self.rate))

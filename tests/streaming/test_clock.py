@@ -29,10 +29,19 @@ def test_a_client_that_never_reports_does_not_play_while_it_waits() -> None:
     waits.anchor(0, now=0.0)
     assert waits.played(sent=1000, now=5.0) == 1000  # (ended at 1 s, then waited 4 s)
     assert waits.played(sent=3000, now=6.0) == 2000  # the next reply starts now, not 4 s "played" already
-    reports = PlaybackClock(0.0, reports=True, rate=R)
-    reports.anchor(0, now=0.0)
-    reports.played(sent=1000, now=5.0)
-    assert reports.played(sent=3000, now=6.0) == 3000  # (a reporting client corrects the guess itself)
+
+
+def test_a_reporting_client_does_not_play_while_it_waits_either() -> None:
+    """A client that reports its playback says nothing while it waits (its position does not move): its
+    last report, before the wait, must not run on through it. The bench's client reports 0 ms as the
+    session opens; a 3.9 s reply that came 4.7 s later was taken as played the moment it was sent, its
+    reply over at once, and the user saying the question again over it paused nothing."""
+    clock = PlaybackClock(0.0, reports=True, rate=R)
+    clock.report(0, now=0.0)
+    assert clock.played(sent=0, now=4.5) == 0  # (the shell asks before it sends the reply's audio)
+    assert clock.played(sent=3900, now=4.75) == 250  # not 3900: the reply began to play at 4.5 s
+    clock.report(100, now=5.0)  # (the client's jitter buffer: it is behind the estimate, and says so)
+    assert clock.played(sent=3900, now=5.25) == 350
 
 
 def test_a_stopped_reply_jumps_the_client_to_the_end_of_what_it_received() -> None:

@@ -192,6 +192,25 @@ def test_speech_over_the_reply_pauses_its_audio_and_it_plays_on_from_there() -> 
     assert not [x for k, x in rec.log if isinstance(x, ReplyInterrupted)] and not voice.pacing
 
 
+def test_a_reply_after_a_wait_plays_in_real_time_for_a_client_that_reports() -> None:
+    """The client reported its position (0 ms) as the session opened and then waited, saying nothing, while
+    the user spoke: the reply that came 3 s later is paced from when it went out, and speech over it pauses
+    it. (Its last report ran on through the wait: the 1 s reply was sent whole and over at once, and the
+    user saying the question again over it paused nothing.)"""
+    voice, rec, session = loop()
+    voice.clock.report(0, 0.0)  # (the native client's first `playback`, as the session opens)
+    turn = ask(voice, session)
+    voice.reply_text(turn, ["Paris", "Paris is", "Paris is the capital."], True, 3.1)
+    synthesize(rec, 0.5, 3.2)
+    pace(voice, 3.2, 3.7)  # half a second later: the lead and half a second, not all of it
+    assert sum(rec.of("audio")) == LEAD + SR // 2 and voice.pacing
+    assert not [x for k, x in rec.log if isinstance(x, ReplyDone)]
+    session.heard_s, session.silence_ms, session.voiced_ms = 4.0, 0.0, 128.0  # the user talks over it
+    voice.tick(3.7)
+    (paused,) = [x for k, x in rec.log if isinstance(x, ReplyPaused)]
+    assert 400 <= paused.played_ms <= 600
+
+
 LONG = "One, two three four, five six seven eight, nine ten eleven twelve, thirteen fourteen fifteen sixteen, and on."
 
 
