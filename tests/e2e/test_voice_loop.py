@@ -95,7 +95,7 @@ async def test_talking_over_the_reply_interrupts_it(make_server, clip_by_name) -
             return False
         if not contexts:  # the LLM's view of the conversation once the talk-over has become turn 2
             engine = srv.server.dialog.engine
-            (sid,) = engine._sessions
+            (sid,) = srv.server.dialog._clients  # (a draft whose tokens went out early lives until adopted)
             contexts.append(engine.tokenizer.decode(engine.context_tokens(sid)))
         return True
 
