@@ -11,10 +11,9 @@ from duplexd.tts.engine import OUTPUT_SAMPLE_RATE
 
 
 class PlaybackClock:
-    def __init__(self, now: float, *, reports: bool, rate: int = OUTPUT_SAMPLE_RATE) -> None:
-        """`reports`: the client reports its playback (the native protocol); else only the server's anchors
-        (`anchor`, `rebase`) correct the real-time assumption."""
-        self.reports = reports
+    def __init__(self, now: float, *, rate: int = OUTPUT_SAMPLE_RATE) -> None:
+        """The same for every client: reports (the native protocol) and the server's anchors (`anchor`,
+        `rebase`) correct the real-time assumption; a client that never reports has only the anchors."""
         self.rate = rate
         self._anchor: tuple[int, float] | None = None  # (samples played, when): a report, a known position
         # or, while held, the estimate where the pause began

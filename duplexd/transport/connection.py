@@ -72,7 +72,6 @@ class Codec(Protocol):
     session core's events, reply tokens, audio and errors are written."""
 
     numbered: bool  # events are numbered and kept for a resume
-    reports_playback: bool  # the client reports its playback
 
     async def opening(self, now: float) -> None: ...
     async def on_text(self, data: str, now: float) -> bool: ...  # True: the connection's reading is over
@@ -133,7 +132,7 @@ class Connection:
         self.audio_limit = AudioRateLimit(server.config.security.audio_burst_s)
         self.events = EventLog(t.resume_events)  # (numbered: all but frame.ack)
         self.codec = codec(self)
-        self.clock = PlaybackClock(now, reports=self.codec.reports_playback)
+        self.clock = PlaybackClock(now)
 
     # -- what the shell calls -----------------------------------------------------------------------
 

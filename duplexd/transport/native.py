@@ -30,7 +30,6 @@ CONTEXT_TURNS = 64  # finished turns kept to rebuild the LLM's context with new 
 
 class NativeCodec:
     numbered = True  # events carry `n` and are kept for a resume
-    reports_playback = True  # the client says what it has played (`playback`)
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn

@@ -73,7 +73,6 @@ EAGERNESS = {"high": (0.5, 0.5), "medium": (1.0, 1.0), "auto": (1.0, 1.0), "low"
 
 class RealtimeCodec:
     numbered = False
-    reports_playback = False
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn

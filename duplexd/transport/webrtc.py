@@ -181,8 +181,6 @@ class WebRtcCodec(RealtimeCodec):
     reports what it played; `output_audio_buffer.started` / `.stopped` / `.cleared` say so on the events
     channel, as OpenAI's server does for WebRTC clients."""
 
-    reports_playback = True
-
     def __init__(self, conn: Connection, initial: rt.SessionUpdate | None = None) -> None:
         super().__init__(conn)
         self._initial = initial

@@ -87,7 +87,7 @@ def loop(now: float = 0.0, max_samples: int = MAX_QUEUED_SAMPLES) -> tuple[Voice
         7,
         rec,  # type: ignore[arg-type]
         playout=Playout(FRAME, LEAD, max_samples),
-        clock=PlaybackClock(now, reports=True),
+        clock=PlaybackClock(now),
         sent_audio=SentAudio(10 * SR),
         metrics=Metrics(),
         send_event=lambda e: rec.log.append(("event", e)),
