@@ -8,7 +8,7 @@ import pytest
 
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
 from duplexd.bench import scenarios as sc
-from duplexd.bench.voice import _pausable, _questions
+from duplexd.bench.voice import Run, _pausable, _questions, _rate
 from duplexd.clients.clips import Clip, silence_around
 
 LEAD_S = 0.5  # (what bench voice sends before each clip)
@@ -57,3 +57,17 @@ def test_a_pause_is_heard_as_long_as_asked_where_the_cut_falls_in_a_gap_of_its_o
         heard_s, ends_s = _silence_at(np.concatenate([sc.silence(LEAD_S), paused]), inside_s)
         assert heard_s == pytest.approx(1.0, abs=0.07), clip.path.name
         assert LEAD_S + resumes_s == pytest.approx(ends_s, abs=0.04), clip.path.name
+
+
+def test_sound_over_a_reply_that_ends_a_turn_of_its_own_is_a_false_barge_in() -> None:
+    """Measured (bench voice, clip09's echo through a room): the echo of the reply's last words, heard after
+    it had played out, was a second turn, answered by the assistant; the reply was never interrupted, so
+    the rate counted it as no false barge-in. A talk-over's turn of its own is the user's, as it should."""
+
+    def run(scenario: str, turns: int, interrupted: bool) -> Run:
+        return Run(scenario, "clip09", 3.4, turns, False, interrupted, 0.8, 0.8, 0.9, "reply", 12.0)
+
+    echo = [run("echo", 1, False), run("echo", 2, False), run("echo", 1, True), run("echo", 1, False)]
+    assert _rate(echo, "echo") == 0.5
+    assert _rate([run("noise", 2, False)], "noise") == 1.0
+    assert _rate([run("talk_over", 2, False), run("talk_over", 2, True)], "talk_over") == 0.5

@@ -9,13 +9,14 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
 - pause: each question clip with a pause (0.4, 0.6, 0.8 and 1.0 s, from the last word to the next, as
   VAD hears it) at its quietest point between 40 % and 60 % of its length, where the speech goes on
   after it; ending the turn during the pause is a premature endpoint.
-- backchannel: "okay, okay" (a real meeting recording) said while the reply plays; any interruption is a
-  false barge-in.
+- backchannel: "okay, okay" (a real meeting recording) said while the reply plays; any interruption, or a
+  turn of its own (the sound heard as the user, and answered), is a false barge-in.
 - noise: sounds that are not words while the reply plays (`scenarios.noises`: a cough, a clatter, a
-  throat clearing; synthesized, the set has no recording of them); any interruption is a false barge-in.
+  throat clearing; synthesized, the set has no recording of them); as for a backchannel.
 - echo: the reply's own audio reaches the microphone through a room (`bench.room`: clipping, an image-method
-  impulse response with RT60 0.2-0.6 s, a drifting 50-200 ms playback delay) at -6 dB and at 0 dB; any
-  interruption is a false barge-in. The echo canceller's ERLE on the same rooms is measured offline.
+  impulse response with RT60 0.2-0.6 s, a drifting 50-200 ms playback delay) at -6 dB and at 0 dB; as for
+  a backchannel (the echo of a reply's last words, heard after it has played out, can end a turn of its
+  own). The echo canceller's ERLE on the same rooms is measured offline.
 - talk-over: another clip said as soon as the reply's audio starts. From the start of its speech (Silero
   VAD offline) to the reply's audio stopping at the client (`reply.paused`, or `reply.interrupted` if no
   pause came first) is the barge-in stop time; to `reply.interrupted`, the confirmation (a reply that
@@ -364,8 +365,16 @@ def _stats(values: list[float | None]) -> dict[str, float | None]:
 
 
 def _rate(runs: list[Run], scenario: str) -> float | None:
+    """Of the runs of `scenario`, those heard as the user: interrupted, or for sound that was not the user
+    (`FALSE_INTERRUPTIONS`) also a turn of its own."""
     of = [r for r in runs if r.scenario == scenario]
-    return sum(r.interrupted for r in of) / len(of) if of else None
+    return sum(_heard_as_user(r) for r in of) / len(of) if of else None
+
+
+def _heard_as_user(run: Run) -> bool:
+    """The run's sound over the reply was taken for the user talking: it interrupted the reply, or (sound
+    that was not the user) it ended a turn of its own after the question's, which the assistant answered."""
+    return run.interrupted or (run.scenario in FALSE_INTERRUPTIONS and run.turns > 1)
 
 
 def _side(
@@ -414,15 +423,17 @@ def _side(
             for p in PAUSES_S
             if (n := sum(r.pause_s == p for r in runs))
         },
-        "false_barge_in_rate": sum(r.interrupted for r in overlapped) / len(overlapped) if overlapped else None,
+        "false_barge_in_rate": sum(map(_heard_as_user, overlapped)) / len(overlapped) if overlapped else None,
         "echo_false_barge_in_rate": _rate(runs, "echo"),
         "backchannel_false_barge_in_rate": _rate(runs, "backchannel"),
         "noise_false_barge_in_rate": _rate(runs, "noise"),
+        # ... of those, the ones that were a turn of their own (the assistant answered the sound)
+        "false_turns": {k: sum(r.scenario == k and r.turns > 1 for r in runs) for k in FALSE_INTERRUPTIONS},
         "false_pause_rate": len(false_paused) / n
         if (n := sum(r.scenario in FALSE_INTERRUPTIONS for r in runs))
         else None,
         "resumed_after_false_interruption_rate": (
-            sum(bool(r.resumed) and not r.interrupted for r in false_paused) / len(false_paused)
+            sum(bool(r.resumed) and not _heard_as_user(r) for r in false_paused) / len(false_paused)
             if false_paused
             else None
         ),
@@ -532,7 +543,8 @@ def _side_table(result: dict[str, Any]) -> list[str]:
         f"(by pause: {', '.join(f'{p} s {pct(v)}' for p, v in result['premature_by_pause'].items()) or '-'})",
         f"false barge-ins: echo {pct(result['echo_false_barge_in_rate'])} of {c['echo']}, "
         f"backchannel {pct(result['backchannel_false_barge_in_rate'])} of {c['backchannel']}, "
-        f"noise {pct(result.get('noise_false_barge_in_rate'))} of {c.get('noise', 0)}",
+        f"noise {pct(result.get('noise_false_barge_in_rate'))} of {c.get('noise', 0)}"
+        f" (a turn of their own: {', '.join(f'{k} {n}' for k, n in (result.get('false_turns') or {}).items())})",
         f"replies paused by sound that was not the user talking (backchannel, noise, echo): "
         f"{pct(result.get('false_pause_rate'))}; "
         f"of those, resumed: {pct(result.get('resumed_after_false_interruption_rate'))}",
