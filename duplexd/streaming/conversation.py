@@ -69,6 +69,12 @@ Output = Event | Command
 # the echo of the resumed reply paused it again within 0.2 s).
 ECHO_LIKE_PAUSE_MS = 400
 ECHO_LIKE_PAUSES = 2
+# A reply's echo outlasts its playback by the loudspeaker's delay and the room's reverberation: speech that
+# begins this soon after a reply has played out (or began during it and goes on) is judged as speech over
+# that reply, its words held until they count as the user talking (bench voice's echo through a room, rt60
+# 0.6 s and 190 ms: "Not just about | your dog", the last words' echo, became a turn of its own and the
+# assistant answered it).
+ECHO_TAIL_MS = 500
 
 _LOOP_WORDS = 8
 _ECHO_SCORES = 64  # remembered per reply (then forgotten at once: bounded)
@@ -213,6 +219,17 @@ class _Reply:
         return score >= max(_REPEAT_MATCH, self.echo_score(heard) + _REPEAT_MARGIN)
 
 
+@dataclass(slots=True)
+class _Trail:
+    """A reply that has played out, while its echo may still reach the microphone."""
+
+    reply: _Reply
+    ended_s: float  # the stream time at which it had played out
+    until_s: float  # utterances that begin after this stream time are not its echo
+    # utterances that began before `until_s`, let through as the user's or dropped (a few: bounded by time)
+    decided: set[int] = field(default_factory=set)
+
+
 class Conversation:
     def __init__(
         self,
@@ -270,6 +287,7 @@ class Conversation:
         self._p_audio: tuple[float, float] | None = None  # (where the speech ended, P(turn over) of its audio)
         self._held: dict[int, tuple[tuple[Word, ...], int, bool]] = {}  # during a reply: words, committed, final
         self._reply: _Reply | None = None
+        self._trail: _Trail | None = None  # the reply that played out last, while its echo may be heard
         self._question = ""  # the last turn's words, normalized (what its reply answers)
         self._stream_s = 0.0  # the latest tick's stream time
         self._echo_like_pauses = 0  # false pauses whose sound stopped with the playback (see ECHO_LIKE_PAUSE_MS)
@@ -299,6 +317,8 @@ class Conversation:
         if reply is not None and utt >= reply.first_utterance:
             self._held[utt] = (event.words, committed, final)
             return self._maybe_barge_in()
+        if reply is None and self._trailing(utt, event.words, committed, final):
+            return []
         out: list[Output] = []
         if final:
             self._tentative.pop(utt, None)
@@ -310,6 +330,30 @@ class Conversation:
         else:
             self._tentative[utt] = event.words[committed:]
         return out + self._send_words(utt, event.words[:committed])
+
+    def _trailing(self, utt: int, words: tuple[Word, ...], committed: int, final: bool) -> bool:
+        """Utterance `utt` may be the echo of the reply that just played out (`ECHO_TAIL_MS`): True while
+        its words are held (none of them sent), and for a final that was only that echo (dropped), or only
+        backchannels said over the reply. It goes to the user's turn as soon as it counts as them talking
+        (`turn.barge_in_words` committed words, or a final with any), as speech over a playing reply would
+        interrupt it. Begun after the reply ended, a backchannel word counts: "Yes." may answer it."""
+        trail = self._trail
+        if trail is None or utt < trail.reply.first_utterance or utt in trail.decided or self._sent.get(utt):
+            return False
+        if words and words[0].start_s >= trail.until_s:
+            return False  # (it began after the echo had died away)
+        over_reply = not words or words[0].start_s < trail.ended_s
+        meaningful = {id(w) for w in self._meaningful(words, trail.reply, backchannels=over_reply)}
+        if final:
+            trail.decided.add(utt)
+            if not meaningful:
+                self._sent[utt] = len(words)
+                return True
+            return False
+        if sum(1 for w in words[:committed] if id(w) in meaningful) >= self._turn.barge_in_words:
+            trail.decided.add(utt)
+            return False
+        return True
 
     def _take_back(self, utt: int, words: tuple[Word, ...]) -> list[Output]:
         """The utterance's final decided again words of it that had been sent (`asr.final_redecode`): take
@@ -513,6 +557,7 @@ class Conversation:
 
     def _start_reply(self) -> list[Output]:
         self._unanswered = False
+        self._trail = None
         chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
         self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker, max_tokens=self.max_reply_tokens)
         self._reply.question = self._question
@@ -646,31 +691,36 @@ class Conversation:
         if r.paused_at_s is not None:  # (the client had played it all when the pause reached it)
             out = [ResumeAudio(r.number), ReplyResumed(r.number, 1000 * max(0.0, self._stream_s - r.paused_at_s))]
             r.paused_at_s = None
-        return out + self._leave_reply()
+        return out + self._leave_reply(played_out=True)
 
-    def _leave_reply(self) -> list[Output]:
+    def _leave_reply(self, *, played_out: bool = False) -> list[Output]:
         """The floor returns to the user; words they said meanwhile that were not only backchannels or the
-        reply's own echo join their new turn."""
+        reply's own echo join their new turn. After a reply that `played_out`, an utterance still open is
+        judged against it until it counts as the user talking (`_trailing`): its echo may go on."""
         r = self._reply
         assert r is not None
         self._reply = None
         self._spoken = r
+        self._trail = _Trail(r, self._stream_s, self._stream_s + ECHO_TAIL_MS / 1000) if played_out else None
         held, self._held = self._held, {}
         out: list[Output] = []
         for utt, (words, committed, final) in sorted(held.items()):
             if final and self._ignorable(words, r):
                 self._sent[utt] = len(words)
                 continue
+            if self._trailing(utt, words, committed, final):
+                continue
             out.extend(self._send_words(utt, words[:committed]))
         return out
 
     # --- barge-in ----------------------------------------------------------------------------------------
 
-    def _meaningful(self, words: tuple[Word, ...], r: _Reply) -> list[Word]:
+    def _meaningful(self, words: tuple[Word, ...], r: _Reply, *, backchannels: bool = True) -> list[Word]:
         """The words of an utterance heard during reply `r` that count as the user talking: none if the
-        utterance is the reply's own echo; else those that are not backchannels nor (near) words of the
-        reply, a phrase Whisper looped on counted once. The question said again is the user's, every word,
-        even where the reply quotes it (`_Reply.repeats_question`)."""
+        utterance is the reply's own echo; else those that are not backchannels (unless `backchannels` is
+        False: then they count) nor (near) words of the reply, a phrase Whisper looped on counted once. The
+        question said again is the user's, every word, even where the reply quotes it
+        (`_Reply.repeats_question`)."""
         heard = without_loops([w for w in words if _norm(w.text)], key=lambda w: _norm(w.text))
         text = " ".join(_norm(w.text) for w in heard)
         if not heard:
@@ -682,7 +732,7 @@ class Conversation:
         return [
             w
             for w in heard
-            if (n := _norm(w.text)) not in self._backchannels
+            if ((n := _norm(w.text)) not in self._backchannels or not backchannels)
             and (repeated or not _near(n, reply_words))
             and not self._echoed(w)
         ]

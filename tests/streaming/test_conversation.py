@@ -285,10 +285,66 @@ def test_words_after_the_reply_join_the_next_turn() -> None:
     voice_all(conv, reply, out)
     conv.audio_sent(reply)
     assert conv.observe([TranscriptUpdated(2, words("yeah Berlin"), 1)]) == []  # one new word: not yet
-    out = conv.played(10 * SR)
-    assert [a.text for a in of(out, cmd.AppendUserText)] == ["yeah"]
+    # Played out: "yeah" alone does not count as the user talking yet (it may be a backchannel, or the
+    # reply's echo going on), so it waits for the words after it.
+    assert of(conv.played(10 * SR), cmd.AppendUserText) == []
     out = conv.observe([UtteranceFinalized(2, words("yeah Berlin?"))])
-    assert [a.text for a in of(out, cmd.AppendUserText)] == [" Berlin?"]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["yeah Berlin?"]
+    say(conv, 3, "And Rome?")
+    assert of(conv.tick(stream_s=9.0, silence_ms=400, asr_settled=True), TurnEnded)[0].text == "yeah Berlin? And Rome?"
+
+
+def test_the_reply_s_echo_after_it_played_out_is_not_a_turn() -> None:
+    """Measured (bench voice, clip09's reply through a room, rt60 0.6 s, 190 ms): the echo of its last words
+    went on after the reply had played out, "Not just about | your dog", and was a turn of its own: the
+    assistant answered its own echo."""
+    conv = new()
+    reply = start_reply(conv)
+    said = "I'm here to help with any kind of conversation, not just about your dog."
+    voice_all(conv, reply, stream_reply(conv, reply, said))
+    conv.audio_sent(reply)
+    conv.tick(stream_s=8.0, silence_ms=0, asr_settled=False)
+    assert conv.observe([TranscriptUpdated(2, words("Not just", start=7.6), 2)]) == []
+    out = conv.played(10 * SR)  # played out at 8.0 s: the echo goes on
+    assert not conv.replying and of(out, cmd.AppendUserText) == []
+    assert conv.observe([TranscriptUpdated(2, words("Not just about", start=7.6), 3)]) == []
+    assert conv.observe([UtteranceFinalized(2, words("Not just about", start=7.6))]) == []
+    assert conv.observe([UtteranceFinalized(3, words("your dog.", start=8.3))]) == []  # begun in the tail
+    assert of(conv.tick(stream_s=10.0, silence_ms=1500, asr_settled=True), TurnEnded) == []
+    # Speech that begins after the echo has died away is the user's, whatever it says.
+    out = conv.observe([UtteranceFinalized(4, words("your dog", start=9.0))])
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["your dog"]
+
+
+def test_a_backchannel_over_the_reply_s_end_is_dropped_but_one_after_it_answers_it() -> None:
+    """ "Okay" said over the last words of a reply is a backchannel, as over the rest of it; "Yes." begun
+    after the reply has played out may answer its question: it is the user's turn."""
+    for start, appended in ((7.8, []), (8.2, ["Yes."])):
+        conv = new()
+        reply = start_reply(conv)
+        voice_all(conv, reply, stream_reply(conv, reply, "Shall I book it for you?"))
+        conv.audio_sent(reply)
+        conv.tick(stream_s=8.0, silence_ms=0, asr_settled=False)
+        conv.played(10 * SR)
+        assert conv.observe([TranscriptUpdated(2, words("Yes.", start=start), 1)]) == []
+        out = conv.observe([UtteranceFinalized(2, words("Yes.", start=start))])
+        assert [a.text for a in of(out, cmd.AppendUserText)] == appended
+
+
+def test_a_user_who_talks_as_the_reply_ends_is_heard_at_once() -> None:
+    """Speech over the end of a reply goes to the user's turn as soon as it would have interrupted the reply
+    (`barge_in_words` words of their own), not only at its final."""
+    conv = new()
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
+    conv.audio_sent(reply)
+    conv.tick(stream_s=8.0, silence_ms=0, asr_settled=False)
+    assert conv.observe([TranscriptUpdated(2, words("and Berlin", start=7.8), 1)]) == []
+    conv.played(10 * SR)
+    out = conv.observe([TranscriptUpdated(2, words("and Berlin and", start=7.8), 2)])
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["and Berlin"]
+    out = conv.observe([UtteranceFinalized(2, words("and Berlin and Rome?", start=7.8))])
+    assert [a.text for a in of(out, cmd.AppendUserText)] == [" and Rome?"]
 
 
 def test_cancel_without_a_reply_is_a_no_op_and_with_one_interrupts() -> None:
