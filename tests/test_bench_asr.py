@@ -5,8 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from duplexd.bench.data import wer
 from duplexd.bench.latency import Final, rejoined, withdrawn_words
 from duplexd.events import Word
+
+
+def test_wer_reads_numbers_as_said_on_both_sides() -> None:
+    """The clips' references spell numbers out ("IN EIGHTEEN THIRTEEN", "EIGHT THE PRESS YARD"); Whisper
+    wrote "In 1813," and "8. The Press Yard", and those counted as three errors of seven words."""
+    refs = ["IN EIGHTEEN THIRTEEN", "EIGHT THE PRESS YARD"]
+    assert wer(refs, ["In 1813,", "8. The Press Yard"]) == 0.0
+    assert wer(refs, ["In 1913,", "8. The Press Yard"]) == 1 / 7  # (a number misheard is still an error)
+    assert wer(["He was 19th"], ["He was nineteenth."]) == 0.0 and wer(["a b"], ["a c"]) == 0.5
 
 
 def test_withdrawn_words_are_shown_words_the_final_does_not_hold() -> None:

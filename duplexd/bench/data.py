@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from duplexd.clients.clips import load_clips as load_clips  # (re-exported: bench/replies.py loads it from here)
+from duplexd.streaming.numbers import spoken
 
 _PUNCT = re.compile(r"[^\w\s']")
 _SPACES = re.compile(r"\s+")
@@ -27,11 +28,18 @@ def edit_distance(ref: list[str], hyp: list[str]) -> int:
     return prev[-1]
 
 
+def as_said(text: str) -> list[str]:
+    """`normalize`, with numbers as said ("In 1813, 8." -> in eighteen thirteen eight): the LJ Speech and
+    LibriSpeech references spell numbers out, Whisper writes them either way (as its prompt leans), and
+    neither is a word misheard (Whisper's own evaluations normalize numbers the other way, to digits)."""
+    return spoken(normalize(text))
+
+
 def wer(refs: list[str], hyps: list[str]) -> float:
-    """Corpus WER: total edits over total reference words, after `normalize`."""
+    """Corpus WER: total edits over total reference words, both `as_said`."""
     errors = words = 0
     for ref, hyp in zip(refs, hyps, strict=True):
-        r = normalize(ref)
-        errors += edit_distance(r, normalize(hyp))
+        r = as_said(ref)
+        errors += edit_distance(r, as_said(hyp))
         words += len(r)
     return errors / max(words, 1)
