@@ -168,7 +168,8 @@ class ReplyInterrupted:
     reply: int
     heard_ms: float
     heard_text: str
-    reason: str  # "barge_in" | "cancel"
+    reason: str  # "barge_in" | "cancel" | "session_end"
+    by: str = ""  # barge_in: the words over the reply that counted as the user talking
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,7 @@ class Run:
     eos_to_first_loud_s: float | None = None  # the first loud 20 ms of the reply, as the client plays it
     turn_text: str = ""  # the user's turns as the LLM read them (`turn.ended` texts)
     quotes: float | None = None  # repeat: how well the reply matches the question (`echo_score`, 0..1)
+    interrupted_by: str = ""  # the words that interrupted the reply (`reply.interrupted` `by`)
 
 
 def _first_loud(result: ConversationResult) -> float | None:
@@ -166,6 +167,7 @@ def _measure(scenario: str, clip: Clip, result: ConversationResult, eos_s: float
         turns=len(turn_times),
         premature=premature,
         interrupted=bool(result.of_type("reply.interrupted")),
+        interrupted_by=" | ".join(e.event.get("by", "") for e in result.of_type("reply.interrupted")),
         eos_to_turn_end_s=None if turn is None else round(turn - eos_wall, 3),
         eos_to_first_token_s=None if token is None else round(token - eos_wall, 3),
         eos_to_first_audio_s=None if audio is None else round(audio - eos_wall, 3),

@@ -753,6 +753,7 @@ class Conversation:
         r = self._reply
         assert r is not None
         committed = hypothesis = 0
+        counted: list[str] = []  # (the words that count, in order: what `reply.interrupted` says it was `by`)
         for utt, (words, n_committed, final) in list(self._held.items()):
             meaningful = {id(w) for w in self._meaningful(words, r)}
             if final and not meaningful:
@@ -761,6 +762,7 @@ class Conversation:
                 continue
             committed += sum(1 for w in words[:n_committed] if id(w) in meaningful)
             hypothesis += 0 if final else len(meaningful)
+            counted += [w.text.strip() for w in words if id(w) in meaningful]
         # A paused reply is silent already: only words that held over two passes (or a final) confirm it.
         # A hypothesis can be Whisper's hallucination on a cut echo ("it's a very good time to get" for
         # "In 20..."), gone at the next pass; while it lasts it keeps the reply from resuming. The same
@@ -776,7 +778,7 @@ class Conversation:
             and (not hypothesis_counts or hypothesis < self._turn.barge_in_partial_words)
         ):
             return []
-        return self._interrupt("barge_in")
+        return self._interrupt("barge_in", by=" ".join(counted))
 
     def _pause_or_resume(self, r: _Reply, stream_s: float, silence_ms: float, voiced_ms: float) -> list[Output]:
         """Speech over the playing reply pauses it at once; the words then interrupt it (`_maybe_barge_in`),
@@ -908,8 +910,9 @@ class Conversation:
     def phase(self) -> Phase:
         return Phase.REPLYING if self._reply is not None else Phase.LISTENING
 
-    def _interrupt(self, reason: str, heard: int | None = None) -> list[Output]:
-        """Stop the reply; the client heard its first `heard` samples (None: as far as it has played)."""
+    def _interrupt(self, reason: str, heard: int | None = None, *, by: str = "") -> list[Output]:
+        """Stop the reply; the client heard its first `heard` samples (None: as far as it has played). `by`:
+        a barge-in's words."""
         r = self._reply
         assert r is not None
         heard_samples = 0
@@ -924,7 +927,7 @@ class Conversation:
         out: list[Output] = [
             InterruptReply(r.number, heard_tokens),
             StopAudio(r.number),
-            ReplyInterrupted(r.number, 1000 * heard_samples / OUTPUT_SAMPLE_RATE, heard_text, reason),
+            ReplyInterrupted(r.number, 1000 * heard_samples / OUTPUT_SAMPLE_RATE, heard_text, reason, by),
         ]
         r.sent = True
         return out + self._leave_reply()

@@ -348,14 +348,15 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
             return {"type": ServerType.REPLY_PAUSED, "reply": r, "played_ms": round(ms, 1)}
         case ev.ReplyResumed(reply=r, paused_ms=ms):
             return {"type": ServerType.REPLY_RESUMED, "reply": r, "paused_ms": round(ms, 1)}
-        case ev.ReplyInterrupted(reply=r, heard_ms=ms, heard_text=text, reason=reason):
-            return {
+        case ev.ReplyInterrupted(reply=r, heard_ms=ms, heard_text=text, reason=reason, by=by):
+            interrupted = {
                 "type": ServerType.REPLY_INTERRUPTED,
                 "reply": r,
                 "heard_ms": round(ms, 1),
                 "heard_text": text,
                 "reason": reason,
             }
+            return interrupted | ({"by": by} if reason == "barge_in" else {})
         case ev.ErrorRaised(code=code, message=message):
             return error_message(code, message)
     raise TypeError(f"no wire encoding for {type(event).__name__}")

@@ -411,7 +411,7 @@ def test_misheard_echo_of_the_reply_does_not_interrupt() -> None:
     assert conv.observe([TranscriptUpdated(2, words("See? Dux greasie watter"), 0)]) == []  # 0.62 like it
     assert conv.observe([UtteranceFinalized(2, words("She hid your dux"))]) == []
     out = conv.observe([TranscriptUpdated(3, words("stop talking please"), 0)])
-    assert of(out, ReplyInterrupted)
+    assert [(i.reason, i.by) for i in of(out, ReplyInterrupted)] == [("barge_in", "stop talking please")]
 
 
 def test_the_question_said_again_over_a_reply_that_quotes_it_is_the_user() -> None:
@@ -483,7 +483,7 @@ def test_words_whose_audio_the_echo_canceller_took_out_are_the_reply_s_echo() ->
     assert conv.observe([TranscriptUpdated(2, words("This is", start=2.5), 2)]) == []
     assert conv.observe([UtteranceFinalized(2, words("This is it", start=2.5))]) == []
     out = conv.observe([TranscriptUpdated(3, words("no stop", start=4.2), 2)])
-    assert of(out, ReplyInterrupted)
+    assert [i.by for i in of(out, ReplyInterrupted)] == ["no stop"]  # (not the echo's "This is it")
     # Where the canceller had no echo to cancel (None: the loudspeaker silent, or not heard), words count.
     conv = unpaused()
     conv.echo_db = lambda start_s, end_s: None

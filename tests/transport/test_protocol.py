@@ -292,8 +292,19 @@ ENCODED = [
     (ev.ReplyPaused(reply=2, played_ms=812.04), {"type": "reply.paused", "reply": 2, "played_ms": 812.0}),
     (ev.ReplyResumed(reply=2, paused_ms=700.06), {"type": "reply.resumed", "reply": 2, "paused_ms": 700.1}),
     (
-        ev.ReplyInterrupted(reply=2, heard_ms=500.04, heard_text="It", reason="barge_in"),
-        {"type": "reply.interrupted", "reply": 2, "heard_ms": 500.0, "heard_text": "It", "reason": "barge_in"},
+        ev.ReplyInterrupted(reply=2, heard_ms=500.04, heard_text="It", reason="barge_in", by="no wait"),
+        {
+            "type": "reply.interrupted",
+            "reply": 2,
+            "heard_ms": 500.0,
+            "heard_text": "It",
+            "reason": "barge_in",
+            "by": "no wait",
+        },
+    ),
+    (
+        ev.ReplyInterrupted(reply=2, heard_ms=0.0, heard_text="", reason="cancel"),
+        {"type": "reply.interrupted", "reply": 2, "heard_ms": 0.0, "heard_text": "", "reason": "cancel"},
     ),
     (
         ev.ErrorRaised(ErrorCode.ASR_BEHIND, "recognizer fell behind"),
