@@ -701,7 +701,9 @@ class Conversation:
         assert r is not None
         self._reply = None
         self._spoken = r
-        self._trail = _Trail(r, self._stream_s, self._stream_s + ECHO_TAIL_MS / 1000) if played_out else None
+        # (Where the client decides turns, it commits what it has heard: nothing is held back from it.)
+        trails = played_out and self.auto_turns
+        self._trail = _Trail(r, self._stream_s, self._stream_s + ECHO_TAIL_MS / 1000) if trails else None
         held, self._held = self._held, {}
         out: list[Output] = []
         for utt, (words, committed, final) in sorted(held.items()):

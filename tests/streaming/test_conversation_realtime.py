@@ -132,3 +132,18 @@ def test_a_clear_drops_the_words_of_cleared_audio_the_recognizer_commits_later()
     out = conv.commit(5.0)
     assert [a.text for a in of(out, cmd.AppendUserText)] == ["we must find"]
     assert of(out, TurnEnded)[0].text == "we must find"
+
+
+def test_with_the_client_deciding_turns_words_over_the_end_of_a_reply_are_its_to_commit() -> None:
+    """Where the server decides turns, words over a reply's last moments wait until they count as the user
+    talking (they may be its echo going on); with turn detection off the client commits what it heard."""
+    conv = new()
+    reply = start_reply(conv)
+    conv.auto_turns = False  # (a Realtime session.update setting turn detection off)
+    voice_all(conv, reply, stream_reply(conv, reply, "Paris."))
+    conv.audio_sent(reply)
+    conv.tick(stream_s=8.0, silence_ms=0, asr_settled=False)
+    conv.observe([TranscriptUpdated(2, words("and Spain", start=7.8), 1)])
+    conv.played(10 * SR)
+    out = conv.commit(9.0)
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["and"] and of(out, TurnEnded)[0].text == "and"
