@@ -333,23 +333,25 @@ class Conversation:
 
     def _trailing(self, utt: int, words: tuple[Word, ...], committed: int, final: bool) -> bool:
         """Utterance `utt` may be the echo of the reply that just played out (`ECHO_TAIL_MS`): True while
-        its words are held (none of them sent), and for a final that was only that echo (dropped), or only
-        backchannels said over the reply. It goes to the user's turn as soon as it counts as them talking
-        (`turn.barge_in_words` committed words, or a final with any), as speech over a playing reply would
-        interrupt it. Begun after the reply ended, a backchannel word counts: "Yes." may answer it."""
+        its words are held (none of them sent), and for a final dropped: one begun while the reply played
+        that is not the user's (`_ignorable`), or one begun after it that was only its echo (a backchannel
+        word counts then: "Yes." may answer it). It goes to the user's turn as soon as it counts as them
+        talking (`turn.barge_in_words` committed words, or a final with any that is not dropped), as speech
+        over a playing reply would interrupt it."""
         trail = self._trail
         if trail is None or utt < trail.reply.first_utterance or utt in trail.decided or self._sent.get(utt):
             return False
         if words and words[0].start_s >= trail.until_s:
             return False  # (it began after the echo had died away)
         over_reply = not words or words[0].start_s < trail.ended_s
-        meaningful = {id(w) for w in self._meaningful(words, trail.reply, backchannels=over_reply)}
         if final:
             trail.decided.add(utt)
-            if not meaningful:
+            r = trail.reply  # (begun after it ended: only its echo is dropped; "Yes." may answer it)
+            if self._ignorable(words, r) if over_reply else not self._meaningful(words, r, backchannels=False):
                 self._sent[utt] = len(words)
                 return True
             return False
+        meaningful = {id(w) for w in self._meaningful(words, trail.reply, backchannels=over_reply)}
         if sum(1 for w in words[:committed] if id(w) in meaningful) >= self._turn.barge_in_words:
             trail.decided.add(utt)
             return False
@@ -749,7 +751,19 @@ class Conversation:
         return db is not None and db >= limit
 
     def _ignorable(self, words: tuple[Word, ...], r: _Reply) -> bool:
-        return not self._meaningful(words, r)
+        """A final heard over reply `r` is not the user's: no word of it counts (`_meaningful`), or too few
+        to have interrupted the reply (`turn.barge_in_words`) with the microphone hearing the loudspeaker
+        under them (`_over_echo`): through a room, what Whisper makes of the echo ("in the future." over
+        "...the regular review...") became a turn of its own at the reply's end, the assistant answered it,
+        and its answer's echo the next (bench voice's echo kept listening: 6 of 6 conversations)."""
+        meaningful = self._meaningful(words, r)
+        return not meaningful or (len(meaningful) < self._turn.barge_in_words and self._over_echo(meaningful))
+
+    def _over_echo(self, words: list[Word]) -> bool:
+        """The echo canceller had the reply's echo to cancel under every one of `words` (however little it
+        took out): the microphone heard the loudspeaker there. False without echo cancellation, with
+        headphones, or where the loudspeaker was silent."""
+        return self.echo_db is not None and all(self.echo_db(w.start_s, w.end_s) is not None for w in words)
 
     def _maybe_barge_in(self) -> list[Output]:
         r = self._reply

@@ -492,6 +492,29 @@ def test_words_whose_audio_the_echo_canceller_took_out_are_the_reply_s_echo() ->
     assert of(conv.observe([TranscriptUpdated(2, words("This is", start=2.5), 2)]), ReplyInterrupted)
 
 
+def test_a_fragment_over_the_reply_s_echo_is_not_a_turn_of_its_own() -> None:
+    """Measured (bench voice's echo, the microphone kept open after the reply): "in the future." heard over
+    clip06's reply through a 0 dB room (its words not the reply's, too few to interrupt it) joined the
+    user's next turn at the reply's end; alone, it was that turn, the assistant answered it, and the echo
+    of that answer made the next. Where the canceller had echo to cancel under such words, they are
+    dropped; where it had none (headphones), they are the user's, as before."""
+    for db, appended in ((4.0, []), (None, ["the future."])):
+        conv = new()
+        conv.echo_db = lambda start_s, end_s, db=db: db
+        reply = start_reply(conv)
+        voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
+        conv.audio_sent(reply)
+        assert conv.observe([UtteranceFinalized(2, words("the future.", start=2.0))]) == []  # one word: no barge-in
+        out = conv.played(10 * SR)
+        assert [a.text for a in of(out, cmd.AppendUserText)] == appended
+    # Two words of its own interrupt the reply, over its echo or not: the user's.
+    conv = new()
+    conv.echo_db = lambda start_s, end_s: 4.0
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
+    assert of(conv.observe([UtteranceFinalized(2, words("no Berlin", start=2.0))]), ReplyInterrupted)
+
+
 def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
     reply = "she had your dog suit and greasy wash water all year"
     for heard in ("she hid your dux", "dog suit and greasy wash water", "see dux greasie watter"):
