@@ -183,6 +183,7 @@ class _Reply:
     echo_like_pause: bool = False  # a pause's sound stopped with the playback: VAD no longer pauses this reply
     echo_scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (heard, len(text)) -> score
     question: str = ""  # the user's turn it answers, normalized
+    started_s: float = 0.0  # the stream time at which the reply began (its turn ended)
 
     @property
     def samples(self) -> int:
@@ -563,6 +564,7 @@ class Conversation:
         chunker = TextChunker(first_words=self._tts.first_words, max_words=self._tts.max_words)
         self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker, max_tokens=self.max_reply_tokens)
         self._reply.question = self._question
+        self._reply.started_s = self._stream_s
         return [StartReply(self.turns), ReplyStarted(self.turns)]
 
     def _drafts(self) -> list[Output]:
@@ -757,13 +759,19 @@ class Conversation:
         "...the regular review...") became a turn of its own at the reply's end, the assistant answered it,
         and its answer's echo the next (bench voice's echo kept listening: 6 of 6 conversations)."""
         meaningful = self._meaningful(words, r)
-        return not meaningful or (len(meaningful) < self._turn.barge_in_words and self._over_echo(meaningful))
+        return not meaningful or (len(meaningful) < self._turn.barge_in_words and self._over_echo(meaningful, r))
 
-    def _over_echo(self, words: list[Word]) -> bool:
-        """The echo canceller had the reply's echo to cancel under every one of `words` (however little it
-        took out): the microphone heard the loudspeaker there. False without echo cancellation, with
-        headphones, or where the loudspeaker was silent."""
-        return self.echo_db is not None and all(self.echo_db(w.start_s, w.end_s) is not None for w in words)
+    def _over_echo(self, words: list[Word], r: _Reply) -> bool:
+        """The microphone heard the loudspeaker while reply `r` played: the echo canceller had its echo to
+        cancel over most of the reply so far, or under every one of `words` (however little it took out).
+        Over most of the reply, since it decides that the microphone hears the loudspeaker only after the
+        first second or so of playback ("be." 1.5 s into clip06's reply had no level of its own). False
+        without echo cancellation, with headphones, or where the loudspeaker was silent."""
+        if self.echo_db is None:
+            return False
+        if self.echo_db(r.started_s, self._stream_s) is not None:
+            return True
+        return all(self.echo_db(w.start_s, w.end_s) is not None for w in words)
 
     def _maybe_barge_in(self) -> list[Output]:
         r = self._reply

@@ -496,15 +496,27 @@ def test_a_fragment_over_the_reply_s_echo_is_not_a_turn_of_its_own() -> None:
     """Measured (bench voice's echo, the microphone kept open after the reply): "in the future." heard over
     clip06's reply through a 0 dB room (its words not the reply's, too few to interrupt it) joined the
     user's next turn at the reply's end; alone, it was that turn, the assistant answered it, and the echo
-    of that answer made the next. Where the canceller had echo to cancel under such words, they are
-    dropped; where it had none (headphones), they are the user's, as before."""
-    for db, appended in ((4.0, []), (None, ["the future."])):
+    of that answer made the next. Where the canceller had echo to cancel under such words, or over most of
+    the reply (it decides the microphone hears the loudspeaker a second or so into it: "be." 1.5 s into
+    clip06's reply had no level), they are dropped; where it had none (headphones), they are the user's."""
+
+    def over_words(start_s: float, end_s: float) -> float | None:
+        return 4.0  # (the canceller took 4 dB out: echo there, and little of it cancelled)
+
+    def over_the_reply(start_s: float, end_s: float) -> float | None:
+        return 4.0 if end_s - start_s > 2 else None  # (a word alone: too few chunks with a level)
+
+    def no_echo(start_s: float, end_s: float) -> float | None:
+        return None
+
+    for echo_db, appended in ((over_words, []), (over_the_reply, []), (no_echo, ["the future."])):
         conv = new()
-        conv.echo_db = lambda start_s, end_s, db=db: db
+        conv.echo_db = echo_db
         reply = start_reply(conv)
         voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
         conv.audio_sent(reply)
-        assert conv.observe([UtteranceFinalized(2, words("the future.", start=2.0))]) == []  # one word: no barge-in
+        conv.tick(stream_s=9.0, silence_ms=0, asr_settled=False)
+        assert conv.observe([UtteranceFinalized(2, words("the future.", start=6.0))]) == []  # one word: no barge-in
         out = conv.played(10 * SR)
         assert [a.text for a in of(out, cmd.AppendUserText)] == appended
     # Two words of its own interrupt the reply, over its echo or not: the user's.
