@@ -3,6 +3,8 @@ hears it from the last word to the next."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,8 @@ from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
 from duplexd.bench import scenarios as sc
 from duplexd.bench.voice import Run, _pausable, _questions, _rate
 from duplexd.clients.clips import Clip, silence_around
+from duplexd.clients.converse import listening_after
+from duplexd.clients.stream import Received
 
 LEAD_S = 0.5  # (what bench voice sends before each clip)
 
@@ -71,3 +75,13 @@ def test_sound_over_a_reply_that_ends_a_turn_of_its_own_is_a_false_barge_in() ->
     assert _rate(echo, "echo") == 0.5
     assert _rate([run("noise", 2, False)], "noise") == 1.0
     assert _rate([run("talk_over", 2, False), run("talk_over", 2, True)], "talk_over") == 0.5
+
+
+def test_listening_after_the_replies_waits_for_them_all_and_then_for_the_time_given() -> None:
+    now = time.monotonic()
+    until = listening_after(3.5)
+    started, done = Received(now - 9, {"type": "reply.started"}), Received(now - 4, {"type": "reply.done"})
+    assert until([started, done])
+    assert not until([started, Received(now - 1, {"type": "reply.done"})])  # (ended 1 s ago: listen on)
+    assert not until([started, done, Received(now - 2, {"type": "reply.started"})])  # (the echo's own turn)
+    assert not until([])

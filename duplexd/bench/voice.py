@@ -24,6 +24,7 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
   talk_over_echo: the same over the reply's own echo (-6 dB, through a room): the echo canceller must
   not take the user out with the echo.
 
+In those three the microphone stays open `LISTEN_AFTER_S` after the last reply, as a user's would.
 Replies paused by sound over them (backchannel, noise, echo) that then played on count towards
 `resumed_after_false_interruption_rate`.
 
@@ -63,7 +64,7 @@ from duplexd.bench import scenarios as sc
 from duplexd.bench.data import wer
 from duplexd.bench.server import health, serve_llm_process, server_process
 from duplexd.clients.clips import Clip, load_clips
-from duplexd.clients.converse import JITTER_S, ConversationResult, converse_pcm
+from duplexd.clients.converse import JITTER_S, ConversationResult, converse_pcm, listening_after
 from duplexd.clients.stats import percentile
 from duplexd.config import TurnConfig
 from duplexd.streaming.conversation import echo_score
@@ -89,6 +90,11 @@ REMOTE_SIDES = {
 REMOTE_NICENESS = 19
 COLOCATED_SIDES = {"remote_colocated": {"dialog.turn_model": ""}}
 FALSE_INTERRUPTIONS = ("backchannel", "noise", "echo")  # sound over the reply that must not stop it
+# ... and the microphone stays open this long after the last reply of such a conversation, as a user's does:
+# sound over a reply that the server takes for the user becomes a turn only after it (and a turn's silence,
+# `turn.max_silence_ms`, and the recognizer's final). Ending the session as the reply ended hid those turns
+# (clip06's echo through a 0 dB room, kept listening: six turns the assistant answered, its own echo each).
+LISTEN_AFTER_S = 3.5
 LOUD_RMS, LOUD_WINDOW = 300.0, 480  # reply audio heard: a 20 ms window (24 kHz) louder than this (int16 RMS)
 
 
@@ -277,11 +283,12 @@ async def _conversations(
                 runs.append(run)
                 print(f"  pause {pause_s} s {clip.path.name}: turns={run.turns} premature={run.premature}", flush=True)
     overlapped = _overlapped(questions)
+    after = listening_after(LISTEN_AFTER_S)  # (sound over a reply, and its echo, may still become a turn)
     if "backchannel" in scenarios:
         for clip in overlapped:
             audio = np.concatenate([lead, sc.load(clip.path)])
             inject = sc.During(sc.backchannel(speech_dir), after_s=0.3)
-            result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject)
+            result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject, until=after)
             runs.append(_measure("backchannel", clip, result, sc.speech_end_s(audio), None))
             print(f"  backchannel {clip.path.name}: interrupted={runs[-1].interrupted}", flush=True)
     if "noise" in scenarios:
@@ -289,7 +296,7 @@ async def _conversations(
             for clip in overlapped:
                 audio = np.concatenate([lead, sc.load(clip.path)])
                 inject = sc.During(sound, after_s=0.3)
-                result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject)
+                result = await converse_pcm(url, audio, sc.RATE, max_s=60, inject=inject, until=after)
                 runs.append(_measure("noise", clip, result, sc.speech_end_s(audio), None))
                 runs[-1].room = name  # (the sound)
                 print(f"  noise {name} {clip.path.name}: interrupted={runs[-1].interrupted}", flush=True)
@@ -297,7 +304,8 @@ async def _conversations(
         for gain in ECHO_GAINS:
             for clip, spec in zip(overlapped, room.rooms(len(overlapped), gain), strict=True):
                 audio = np.concatenate([lead, sc.load(clip.path)])
-                result = await converse_pcm(url, audio, sc.RATE, max_s=60, echo_path=room.EchoPath(spec))
+                path = room.EchoPath(spec)
+                result = await converse_pcm(url, audio, sc.RATE, max_s=60, echo_path=path, until=after)
                 runs.append(_measure("echo", clip, result, sc.speech_end_s(audio), None))
                 runs[-1].room = spec.name
                 print(f"  echo {clip.path.name} ({spec.name}): interrupted={runs[-1].interrupted}", flush=True)

@@ -116,6 +116,18 @@ def _replies_settled(events: list[Received]) -> bool:
     return started >= 1 and ended >= started
 
 
+def listening_after(seconds: float) -> Callable[[list[Received]], bool]:
+    """An `until` for `converse_pcm`: every reply has ended, the last at least `seconds` ago. The microphone
+    stays open meanwhile, as a user's does: sound after a reply (its echo, a cough) may still become a turn,
+    and the reply to that turn is waited for in turn."""
+
+    def settled(events: list[Received]) -> bool:
+        ends = [r.t for r in events if r.event["type"] in ("reply.done", "reply.interrupted")]
+        return _replies_settled(events) and time.monotonic() - ends[-1] >= seconds
+
+    return settled
+
+
 async def converse_pcm(
     url: str,
     pcm: np.ndarray,
