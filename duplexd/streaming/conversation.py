@@ -348,11 +348,11 @@ class Conversation:
         if final:
             trail.decided.add(utt)
             r = trail.reply  # (begun after it ended: only its echo is dropped; "Yes." may answer it)
-            if self._ignorable(words, r) if over_reply else not self._meaningful(words, r, backchannels=False):
+            if self._ignorable(words, r) if over_reply else not self._meaningful(words, r, backchannels_count=True):
                 self._sent[utt] = len(words)
                 return True
             return False
-        meaningful = {id(w) for w in self._meaningful(words, trail.reply, backchannels=over_reply)}
+        meaningful = {id(w) for w in self._meaningful(words, trail.reply, backchannels_count=not over_reply)}
         if sum(1 for w in words[:committed] if id(w) in meaningful) >= self._turn.barge_in_words:
             trail.decided.add(utt)
             return False
@@ -721,12 +721,11 @@ class Conversation:
 
     # --- barge-in ----------------------------------------------------------------------------------------
 
-    def _meaningful(self, words: tuple[Word, ...], r: _Reply, *, backchannels: bool = True) -> list[Word]:
+    def _meaningful(self, words: tuple[Word, ...], r: _Reply, *, backchannels_count: bool = False) -> list[Word]:
         """The words of an utterance heard during reply `r` that count as the user talking: none if the
-        utterance is the reply's own echo; else those that are not backchannels (unless `backchannels` is
-        False: then they count) nor (near) words of the reply, a phrase Whisper looped on counted once. The
-        question said again is the user's, every word, even where the reply quotes it
-        (`_Reply.repeats_question`)."""
+        utterance is the reply's own echo; else those that are not backchannels (with `backchannels_count`,
+        those too) nor (near) words of the reply, a phrase Whisper looped on counted once. The question said
+        again is the user's, every word, even where the reply quotes it (`_Reply.repeats_question`)."""
         heard = without_loops([w for w in words if _norm(w.text)], key=lambda w: _norm(w.text))
         text = " ".join(_norm(w.text) for w in heard)
         if not heard:
@@ -738,7 +737,7 @@ class Conversation:
         return [
             w
             for w in heard
-            if ((n := _norm(w.text)) not in self._backchannels or not backchannels)
+            if ((n := _norm(w.text)) not in self._backchannels or backchannels_count)
             and (repeated or not _near(n, reply_words))
             and not self._echoed(w)
         ]
