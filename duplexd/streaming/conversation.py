@@ -711,10 +711,11 @@ class Conversation:
         held, self._held = self._held, {}
         out: list[Output] = []
         for utt, (words, committed, final) in sorted(held.items()):
-            if final and self._ignorable(words, r):
+            if self._trail is not None:  # (it judges every utterance heard over the reply, finals too)
+                if self._trailing(utt, words, committed, final):
+                    continue
+            elif final and self._ignorable(words, r):
                 self._sent[utt] = len(words)
-                continue
-            if self._trailing(utt, words, committed, final):
                 continue
             out.extend(self._send_words(utt, words[:committed]))
         return out
