@@ -18,7 +18,7 @@ of the 24 kHz output stream, the timeline of the client's `playback.played_ms`.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from enum import Enum
@@ -77,6 +77,13 @@ ECHO_LIKE_PAUSES = 2
 ECHO_TAIL_MS = 500
 
 _LOOP_WORDS = 8
+# Whisper's word times come from aligning its tokens to the audio; words the audio does not hold (written
+# from the decoder's context: the prompt, the text before) get no time of their own and pile up at one
+# instant. Bench voice's echo through a room: the reply's echo, before the canceller had converged, was
+# transcribed as the user's own question ("and we are glad to welcome you.", seven words at 8.472 s, each
+# 0 ms long) and interrupted the reply. In the clips' own speech, 3 of 511 finalized words (crosstalk in a
+# meeting) and 32 of 4406 hypothesis words (most at the window's edge) are so stacked.
+_STACKED_S = 0.02  # (Whisper's time step)
 _ECHO_SCORES = 64  # remembered per reply (then forgotten at once: bounded)
 _NEAR_WORD = 0.8  # a heard word this similar to a reply word (character ratio) is that word, misheard
 # Speech over a reply that matches the question it answers this well, and better than any stretch of the reply
@@ -103,6 +110,24 @@ def normalized(text: str) -> str:
 def _whole_characters(text: str) -> str:
     """Decoded reply text without a trailing half UTF-8 character (its next token completes it)."""
     return text[: len(text) - 1] if text.endswith("\ufffd") else text
+
+
+def placed(words: Sequence[Word]) -> list[Word]:
+    """`words` without those Whisper stacked at one instant: two or more in a row, each without length,
+    starting together (see `_STACKED_S`). A lone word without length (the last of a hypothesis, cut by the
+    window's end) stays."""
+
+    def flat(w: Word) -> bool:
+        return w.end_s - w.start_s < _STACKED_S
+
+    def stacked(a: Word, b: Word) -> bool:
+        return flat(a) and flat(b) and abs(b.start_s - a.start_s) < _STACKED_S
+
+    return [
+        w
+        for i, w in enumerate(words)
+        if not ((i > 0 and stacked(words[i - 1], w)) or (i + 1 < len(words) and stacked(w, words[i + 1])))
+    ]
 
 
 def without_loops(items: list[T], key: Callable[[T], str] = str) -> list[T]:
@@ -725,9 +750,10 @@ class Conversation:
     def _meaningful(self, words: tuple[Word, ...], r: _Reply, *, backchannels_count: bool = False) -> list[Word]:
         """The words of an utterance heard during reply `r` that count as the user talking: none if the
         utterance is the reply's own echo; else those that are not backchannels (with `backchannels_count`,
-        those too) nor (near) words of the reply, a phrase Whisper looped on counted once. The question said
-        again is the user's, every word, even where the reply quotes it (`_Reply.repeats_question`)."""
-        heard = without_loops([w for w in words if _norm(w.text)], key=lambda w: _norm(w.text))
+        those too) nor (near) words of the reply nor words the audio does not hold (`placed`), a phrase Whisper
+        looped on counted once. The question said again is the user's, every word, even where the reply
+        quotes it (`_Reply.repeats_question`)."""
+        heard = without_loops([w for w in placed(words) if _norm(w.text)], key=lambda w: _norm(w.text))
         text = " ".join(_norm(w.text) for w in heard)
         if not heard:
             return []

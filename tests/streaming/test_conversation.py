@@ -527,6 +527,33 @@ def test_a_fragment_over_the_reply_s_echo_is_not_a_turn_of_its_own() -> None:
     assert of(conv.observe([UtteranceFinalized(2, words("no Berlin", start=2.0))]), ReplyInterrupted)
 
 
+def test_words_whisper_stacked_at_one_instant_do_not_interrupt_a_reply() -> None:
+    """Measured (bench voice's echo through a room, before the canceller had converged): Whisper wrote the
+    user's own question for the reply's echo, "and we are glad to welcome you.", every word at 8.472 s and
+    0 ms long, and it interrupted the reply. Words the audio holds have times of their own; a lone word
+    without length (the last of a hypothesis, cut at the window's end) still counts."""
+    stacked = tuple(Word(w, 8.472, 8.472) for w in "and we are glad to welcome you.".split())
+    conv = new()
+    reply = start_reply(conv)
+    voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
+    assert conv.observe([UtteranceFinalized(2, stacked)]) == []
+    out = conv.audio_sent(reply) + conv.played(10 * SR)
+    assert not of(out, ReplyInterrupted) and not of(out, cmd.AppendUserText)  # (nor a turn of its own)
+    # The same words spoken, and two spoken then a last one cut short: the user's.
+    for heard in (
+        words("and we are glad to welcome you.", start=2.0),
+        (*words("no Berlin", 2.0), Word("now", 2.6, 2.6)),
+    ):
+        conv = new()
+        reply = start_reply(conv)
+        voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
+        assert of(conv.observe([UtteranceFinalized(2, heard)]), ReplyInterrupted), heard
+    assert cv.placed([Word("a", 1.0, 1.0), Word("b", 1.0, 1.0), Word("c", 1.0, 1.3), Word("d", 1.3, 1.3)]) == [
+        Word("c", 1.0, 1.3),
+        Word("d", 1.3, 1.3),
+    ]
+
+
 def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
     reply = "she had your dog suit and greasy wash water all year"
     for heard in ("she hid your dux", "dog suit and greasy wash water", "see dux greasie watter"):
