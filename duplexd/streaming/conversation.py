@@ -755,7 +755,7 @@ class Conversation:
         quotes it (`_Reply.repeats_question`)."""
         heard = without_loops([w for w in placed(words) if _norm(w.text)], key=lambda w: _norm(w.text))
         text = " ".join(_norm(w.text) for w in heard)
-        if not heard:
+        if not heard or self._echoed(words[0].start_s, words[-1].end_s):
             return []
         repeated = r.repeats_question(text)
         if not repeated and r.echo_score(text) >= self._turn.echo_similarity:
@@ -766,16 +766,20 @@ class Conversation:
             for w in heard
             if ((n := _norm(w.text)) not in self._backchannels or backchannels_count)
             and (repeated or not _near(n, reply_words))
-            and not self._echoed(w)
+            and not self._echoed(w.start_s, w.end_s)
         ]
 
-    def _echoed(self, word: Word) -> bool:
-        """The echo canceller took `turn.echo_word_db` or more out of the audio under `word`: the microphone
-        heard the loudspeaker there, whatever the recognizer made of it ("This is" of a garbled echo)."""
+    def _echoed(self, start_s: float, end_s: float) -> bool:
+        """The echo canceller took `turn.echo_word_db` or more out of the audio over [start_s, end_s): the
+        microphone heard the loudspeaker there, whatever the recognizer made of it ("This is" of a garbled
+        echo). Asked of each word, and of an utterance's whole span: Whisper wrote the question it had been
+        prompted with for the reply's echo through a room ("And we're glad to | welcome", 18 and 15 dB taken
+        out over each utterance), and its words the canceller took less out of (9.4, 7.1 dB) interrupted the
+        reply; a user talking over the echo as loud as it loses 3-6 dB."""
         limit = self._turn.echo_word_db
         if not limit or self.echo_db is None:
             return False
-        db = self.echo_db(word.start_s, word.end_s)
+        db = self.echo_db(start_s, end_s)
         return db is not None and db >= limit
 
     def _ignorable(self, words: tuple[Word, ...], r: _Reply) -> bool:

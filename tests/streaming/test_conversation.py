@@ -554,6 +554,26 @@ def test_words_whisper_stacked_at_one_instant_do_not_interrupt_a_reply() -> None
     ]
 
 
+def test_an_utterance_the_canceller_took_most_of_is_the_reply_s_echo_whatever_its_words() -> None:
+    """Measured (bench voice's echo through a room): Whisper, prompted with the question, wrote it for the
+    reply's echo ("And we're glad to | welcome"); the canceller took 18 dB out over the utterance, but less
+    than `echo_word_db` (10) under "to" and "welcome", and those two words interrupted the reply."""
+
+    def echo_only(start_s: float, end_s: float) -> float | None:
+        return 18.0 if end_s - start_s > 1.0 else 7.0  # (the utterance's span; a word alone)
+
+    def user_over_echo(start_s: float, end_s: float) -> float | None:
+        return 4.0  # (as loud as the echo: 3-6 dB)
+
+    for echo_db, interrupted in ((echo_only, False), (user_over_echo, True)):
+        conv = new()
+        conv.echo_db = echo_db
+        reply = start_reply(conv)
+        voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
+        out = conv.observe([UtteranceFinalized(2, words("and we're glad to welcome", start=2.0))])
+        assert bool(of(out, ReplyInterrupted)) is interrupted, echo_db
+
+
 def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
     reply = "she had your dog suit and greasy wash water all year"
     for heard in ("she hid your dux", "dog suit and greasy wash water", "see dux greasie watter"):
