@@ -789,7 +789,12 @@ class Conversation:
         "...the regular review...") became a turn of its own at the reply's end, the assistant answered it,
         and its answer's echo the next (bench voice's echo kept listening: 6 of 6 conversations)."""
         meaningful = self._meaningful(words, r)
-        return not meaningful or (len(meaningful) < self._turn.barge_in_words and self._over_echo(meaningful, r))
+        return not meaningful or self._fragment(meaningful, r)
+
+    def _fragment(self, meaningful: list[Word], r: _Reply) -> bool:
+        """An utterance's words that count (`_meaningful`) are too few to interrupt reply `r` and were heard
+        over its echo (see `_ignorable`)."""
+        return len(meaningful) < self._turn.barge_in_words and self._over_echo(meaningful, r)
 
     def _over_echo(self, words: list[Word], r: _Reply) -> bool:
         """The microphone heard the loudspeaker while reply `r` played: the echo canceller had its echo to
@@ -809,9 +814,13 @@ class Conversation:
         committed = hypothesis = 0
         counted: list[str] = []  # (the words that count, in order: what `reply.interrupted` says it was `by`)
         for utt, (words, n_committed, final) in list(self._held.items()):
-            meaningful = {id(w) for w in self._meaningful(words, r)}
-            if final and not meaningful:
-                del self._held[utt]  # a finished backchannel or echo: forget it
+            heard = self._meaningful(words, r)
+            meaningful = {id(w) for w in heard}
+            # A finished backchannel or echo, or a fragment over the echo (`_ignorable`): forget it. Fragments
+            # do not add up: "Great." and "Stay | tight." (the canceller took 11 dB out under "Stay"), two
+            # utterances of clip09's echo through a 0 dB room, interrupted its reply as two words.
+            if final and (not heard or self._fragment(heard, r)):
+                del self._held[utt]
                 self._sent[utt] = len(words)
                 continue
             committed += sum(1 for w in words[:n_committed] if id(w) in meaningful)

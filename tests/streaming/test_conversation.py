@@ -574,6 +574,21 @@ def test_an_utterance_the_canceller_took_most_of_is_the_reply_s_echo_whatever_it
         assert bool(of(out, ReplyInterrupted)) is interrupted, echo_db
 
 
+def test_fragments_over_the_echo_do_not_add_up_to_an_interruption() -> None:
+    """Measured (bench voice's echo, clip09 through a 0 dB room): "Great." and "Stay | tight." (the canceller
+    took 11 dB out under "Stay"), two utterances of the echo with one word each that the reply lacks,
+    interrupted it as two words. Each is a fragment over the echo, as dropped at the reply's end; without
+    echo (headphones) they are the user's and interrupt it."""
+    for echo_db, interrupted in ((lambda start_s, end_s: 4.0, False), (None, True)):
+        conv = new()
+        conv.echo_db = echo_db
+        reply = start_reply(conv)
+        voice_all(conv, reply, stream_reply(conv, reply, "Paris is the capital of France."))
+        out = conv.observe([UtteranceFinalized(2, words("Great.", start=2.0))])
+        out += conv.observe([UtteranceFinalized(3, words("tight.", start=3.5))])
+        assert bool(of(out, ReplyInterrupted)) is interrupted, echo_db
+
+
 def test_echo_score_separates_the_replys_echo_from_new_speech() -> None:
     reply = "she had your dog suit and greasy wash water all year"
     for heard in ("she hid your dux", "dog suit and greasy wash water", "see dux greasie watter"):
