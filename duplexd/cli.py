@@ -478,6 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--scenarios", default=None, help="voice: only these, e.g. echo,backchannel (default: all of them)")
     p.add_argument(
+        "--echo-rooms",
+        type=int,
+        default=None,
+        metavar="N",
+        help="voice: N rooms at each of the two echo levels, the clips in turn (default: one per clip talked "
+        "over, 5: one false barge-in is then 10 %%)",
+    )
+    p.add_argument(
         "--transport",
         default=None,
         help="voice: websocket (default), or websocket,webrtc: the question clips also as WebRTC calls",

@@ -4,13 +4,14 @@ hears it from the last word to the next."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
 from duplexd.bench import scenarios as sc
-from duplexd.bench.voice import Run, _pausable, _questions, _rate
+from duplexd.bench.voice import ECHO_GAINS, Run, _pausable, _questions, _rate, echo_rooms_for
 from duplexd.clients.clips import Clip, silence_around
 from duplexd.clients.converse import listening_after
 from duplexd.clients.stream import Received
@@ -75,6 +76,21 @@ def test_sound_over_a_reply_that_ends_a_turn_of_its_own_is_a_false_barge_in() ->
     assert _rate(echo, "echo") == 0.5
     assert _rate([run("noise", 2, False)], "noise") == 1.0
     assert _rate([run("talk_over", 2, False), run("talk_over", 2, True)], "talk_over") == 0.5
+
+
+def test_more_echo_rooms_than_clips_take_the_clips_in_turn() -> None:
+    """`bench voice --echo-rooms N`: one false barge-in in the default 10 echo conversations is 10 %; N rooms
+    at each level, the clips in turn, measure closer to the issue's 2 %. The default is one room per clip."""
+    clips = [Clip(Path(f"clip{i}.wav"), 1.0, "", 1) for i in range(5)]
+    default = echo_rooms_for(clips)
+    assert [c for c, _ in default] == clips * len(ECHO_GAINS)
+    assert sorted({spec.gain for _, spec in default}) == sorted(ECHO_GAINS)
+    many = echo_rooms_for(clips, 12)
+    assert len(many) == 12 * len(ECHO_GAINS)
+    assert [c for c, _ in many[:12]] == (clips * 3)[:12]
+    assert len({spec.name for _, spec in many}) > len({spec.name for _, spec in default})
+    rt60 = sorted(spec.rt60_s for _, spec in many[:12])
+    assert rt60[0] < 0.25 and rt60[-1] > 0.55  # (spread over the same 0.2-0.6 s)
 
 
 def test_listening_after_the_replies_waits_for_them_all_and_then_for_the_time_given() -> None:

@@ -205,6 +205,13 @@ def _pausable(questions: list[Clip]) -> list[tuple[Clip, np.ndarray]]:
     return out
 
 
+def echo_rooms_for(clips: list[Clip], rooms: int | None = None) -> list[tuple[Clip, room.RoomSpec]]:
+    """The echo scenario's conversations: `rooms` rooms at each echo level (default one per clip), each
+    with a clip, the clips in turn."""
+    n = rooms or len(clips)
+    return [(clips[i % len(clips)], spec) for gain in ECHO_GAINS for i, spec in enumerate(room.rooms(n, gain))]
+
+
 def _overlapped(questions: list[Clip]) -> list[Clip]:
     """The questions whose replies are talked over, backchanneled, echoed (one room each)."""
     return questions[: max(1, len(questions) // 3)]
@@ -254,7 +261,12 @@ async def _webrtc_question(base_url: str, clip: Clip) -> Run:
 
 
 async def _conversations(
-    url: str, clips: list[Clip], quick: bool, scenarios: tuple[str, ...], webrtc: bool = False
+    url: str,
+    clips: list[Clip],
+    quick: bool,
+    scenarios: tuple[str, ...],
+    webrtc: bool = False,
+    echo_rooms: int | None = None,
 ) -> list[Run]:
     speech_dir = clips[0].path.parent
     questions = _questions(clips, quick)
@@ -301,14 +313,13 @@ async def _conversations(
                 runs[-1].room = name  # (the sound)
                 print(f"  noise {name} {clip.path.name}: interrupted={runs[-1].interrupted}", flush=True)
     if "echo" in scenarios:
-        for gain in ECHO_GAINS:
-            for clip, spec in zip(overlapped, room.rooms(len(overlapped), gain), strict=True):
-                audio = np.concatenate([lead, sc.load(clip.path)])
-                path = room.EchoPath(spec)
-                result = await converse_pcm(url, audio, sc.RATE, max_s=60, echo_path=path, until=after)
-                runs.append(_measure("echo", clip, result, sc.speech_end_s(audio), None))
-                runs[-1].room = spec.name
-                print(f"  echo {clip.path.name} ({spec.name}): interrupted={runs[-1].interrupted}", flush=True)
+        for clip, spec in echo_rooms_for(overlapped, echo_rooms):
+            audio = np.concatenate([lead, sc.load(clip.path)])
+            path = room.EchoPath(spec)
+            result = await converse_pcm(url, audio, sc.RATE, max_s=60, echo_path=path, until=after)
+            runs.append(_measure("echo", clip, result, sc.speech_end_s(audio), None))
+            runs[-1].room = spec.name
+            print(f"  echo {clip.path.name} ({spec.name}): interrupted={runs[-1].interrupted}", flush=True)
     talk = sc.load(speech_dir / "clip16_sb_example1.wav")
     talk_onset_s = sc.speech_start_s(talk)
     for scenario in ("talk_over", "talk_over_echo"):
@@ -394,12 +405,15 @@ def _side(
     scenarios: tuple[str, ...],
     settings: dict[str, str],
     webrtc: bool = False,
+    echo_rooms: int | None = None,
 ) -> dict[str, Any]:
     """One server (with `settings` on top of `config`), every scenario: the keys, the runs, its health.
-    `webrtc`: each question also as a WebRTC call."""
+    `webrtc`: each question also as a WebRTC call. `echo_rooms`: rooms per echo level (default: one per
+    clip talked over)."""
     clips = load_clips(data)
     with server_process(config, settings=settings) as port:
-        runs = asyncio.run(_conversations(f"ws://127.0.0.1:{port}/v1/stream", clips, quick, scenarios, webrtc))
+        url = f"ws://127.0.0.1:{port}/v1/stream"
+        runs = asyncio.run(_conversations(url, clips, quick, scenarios, webrtc, echo_rooms))
         server = health(port)
     questions = [r for r in runs if r.scenario == "question"]
     calls = [r for r in runs if r.scenario == "question_webrtc"]
@@ -503,9 +517,10 @@ def run(
     scenarios: tuple[str, ...] = SCENARIOS,
     remote: bool = False,
     webrtc: bool = False,
+    echo_rooms: int | None = None,
 ) -> dict[str, Any]:
-    on = _side(data, config, quick, scenarios, FEATURES_ON, webrtc=webrtc)
-    off = _side(data, config, quick, scenarios, BASELINE_OFF) if baseline else None
+    on = _side(data, config, quick, scenarios, FEATURES_ON, webrtc=webrtc, echo_rooms=echo_rooms)
+    off = _side(data, config, quick, scenarios, BASELINE_OFF, echo_rooms=echo_rooms) if baseline else None
     remote_sides: dict[str, Any] = {}
     if remote:  # the turn scenarios again, replies from a `duplexd serve-llm` (the same model, greedy)
         turns = tuple(x for x in scenarios if x in ("question", "pause")) or ("question",)
@@ -632,6 +647,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = [x for x in scenarios if x not in SCENARIOS]
     if unknown:
         raise SystemExit(f"bench voice: unknown scenario {unknown[0]!r} (choose from {', '.join(SCENARIOS)})")
+    if (rooms := getattr(args, "echo_rooms", None)) is not None and rooms < 1:
+        raise SystemExit(f"bench voice: --echo-rooms must be 1 or more, not {rooms}")
     transports = set((getattr(args, "transport", None) or "websocket").split(","))
     if unknown := transports - {"websocket", "webrtc"}:
         raise SystemExit(f"bench voice: unknown transport {sorted(unknown)[0]!r} (choose from websocket, webrtc)")
@@ -645,6 +662,7 @@ def main(args: argparse.Namespace) -> int:
         scenarios=scenarios,
         remote=getattr(args, "remote_llm", False),
         webrtc="webrtc" in transports,
+        echo_rooms=getattr(args, "echo_rooms", None),
     )
     write_result(args.out, result, table(result))
     return 0
