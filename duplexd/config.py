@@ -398,9 +398,9 @@ class TurnConfig:
     echo_word_db: float = 10.0
     """A word heard during a reply whose audio the echo canceller took this many dB or more out of is the
     reply's echo, not the user (0: off); so is an utterance, all its words, where it took as much out over
-    its whole span. Needs `echo_cancellation` on, and only once the microphone is heard
-    to follow the loudspeaker. Measured: the reply's echo alone lost 10-68 dB (mostly 12+), a user talking
-    over it as loud as it 3-6 dB (docs/benchmarks.md, "Turn-taking ... sixth part")."""
+    its whole span. Needs `echo_cancellation` on, and only once the microphone is heard to follow the
+    loudspeaker. Measured: the reply's echo alone lost 10-68 dB (mostly 12+), a user talking over it as
+    loud as it 3-6 dB (docs/benchmarks.md, "Turn-taking ... sixth part")."""
     echo_similarity: float = 0.6
     """Speech heard during a reply that matches a stretch of the reply this well (0..1) is its own echo
     (the second line, after echo cancellation: what the canceller leaves that the recognizer still hears),

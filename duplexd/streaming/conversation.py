@@ -372,8 +372,11 @@ class Conversation:
         over_reply = not words or words[0].start_s < trail.ended_s
         if final:
             trail.decided.add(utt)
-            r = trail.reply  # (begun after it ended: only its echo is dropped; "Yes." may answer it)
-            if self._ignorable(words, r) if over_reply else not self._meaningful(words, r, backchannels_count=True):
+            if over_reply:
+                dropped = self._ignorable(words, trail.reply)
+            else:  # (begun after it ended: only its echo is dropped; "Yes." may answer it)
+                dropped = not self._meaningful(words, trail.reply, backchannels_count=True)
+            if dropped:
                 self._sent[utt] = len(words)
                 return True
             return False
