@@ -113,3 +113,38 @@ def test_the_table_gives_the_wer_at_each_pass_clock_and_their_mean() -> None:
     }
     text = table({"replay": {"tiny.en": replayed}})
     assert "over pass clocks: WER x0.6 0.05, x1.0 0.04; mean 0.04 (ratio 1.32)" in text
+
+
+def test_the_offline_baseline_is_read_again_with_silence_before_each_clip() -> None:
+    from duplexd.bench.asr import offline_by_lead
+
+    heard: list[np.ndarray] = []
+
+    def transcribe(x: np.ndarray) -> str:  # hears "one two" once speech starts 0.2 s in or later, else "one"
+        heard.append(x)
+        return "one two" if np.argmax(np.abs(x) > 0) >= 0.2 * 16_000 else "one"
+
+    pcm = np.full(1600, 16384, np.int16)
+    by_lead = offline_by_lead(transcribe, [pcm, pcm], ["one two", "one two"], (0.0, 0.25))
+    assert by_lead == {"0": 0.5, "0.25": 0.0}
+    assert [len(x) for x in heard] == [1600, 1600, 1600 + 4000, 1600 + 4000]
+    assert not heard[2][:4000].any() and np.allclose(heard[2][4000:], 0.5)
+
+
+def test_the_table_gives_the_offline_wer_at_each_lead() -> None:
+    from duplexd.bench.asr import table
+
+    replayed = {
+        "wer": 0.025,
+        "wer_offline": 0.021,
+        "wer_ratio_streaming_over_offline": 1.2,
+        "flicker_per_100_words": 23.0,
+        "split_utterances_rejoined": {"splits": 8, "rejoined": 7},
+        "word_latency_p50_s": 0.09,
+        "word_latency_p90_s": 0.31,
+        "pass_cost": {"fixed_s": 0.3, "per_window_s": 0.02},
+        "wer_offline_by_lead": {"0": 0.021, "0.5": 0.025},
+        "wer_ratio_over_offline_lead_mean": 1.09,
+    }
+    text = table({"replay": {"tiny.en": replayed}})
+    assert "with silence before each clip: WER 0 s 0.02, 0.5 s 0.03 (streaming over their mean 1.09)" in text
