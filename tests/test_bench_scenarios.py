@@ -13,7 +13,7 @@ from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
 from duplexd.bench import scenarios as sc
 from duplexd.bench.voice import ECHO_GAINS, Run, _pausable, _questions, _rate, echo_rooms_for
 from duplexd.clients.clips import Clip, silence_around
-from duplexd.clients.converse import listening_after
+from duplexd.clients.converse import answered_after, listening_after
 from duplexd.clients.stream import Received
 
 LEAD_S = 0.5  # (what bench voice sends before each clip)
@@ -101,3 +101,15 @@ def test_listening_after_the_replies_waits_for_them_all_and_then_for_the_time_gi
     assert not until([started, Received(now - 1, {"type": "reply.done"})])  # (ended 1 s ago: listen on)
     assert not until([started, done, Received(now - 2, {"type": "reply.started"})])  # (the echo's own turn)
     assert not until([])
+
+
+def test_after_a_turn_that_ended_too_soon_the_rest_of_the_question_is_waited_for() -> None:
+    now = time.monotonic()
+    t0 = Received(now - 10, {"type": "session.started"})
+    until = answered_after(speech_end_s=6.0, give_up_s=6.0)  # (the speech ended 4 s ago)
+    early, cut = Received(now - 6, {"type": "reply.started"}), Received(now - 5, {"type": "reply.interrupted"})
+    assert not until([t0, early, cut])  # (its reply began during the speech: the rest's turn is to come)
+    late, done = Received(now - 3, {"type": "reply.started"}), Received(now - 1, {"type": "reply.done"})
+    assert not until([t0, early, cut, late])  # (that reply still plays)
+    assert until([t0, early, cut, late, done])
+    assert until([Received(now - 13, {"type": "session.started"}), early, cut])  # (6 s after the speech: no more)

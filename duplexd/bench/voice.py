@@ -8,7 +8,9 @@ reply audio and reports its playback (`clients.converse`), over scenarios compos
   at the client. A turn that ends before eos is a premature endpoint.
 - pause: each question clip with a pause (0.4, 0.6, 0.8 and 1.0 s, from the last word to the next, as
   VAD hears it) at its quietest point between 40 % and 60 % of its length, where the speech goes on
-  after it; ending the turn during the pause is a premature endpoint.
+  after it; ending the turn during the pause is a premature endpoint. After one, the microphone stays
+  open for the turn the rest of the question makes and its reply (`PREMATURE_AFTER_S` at most): what
+  the assistant then answered (`premature_answered_whole_rate`: the whole question, or only its end).
 - backchannel: "okay, okay" (a real meeting recording) said while the reply plays; any interruption, or a
   turn of its own (the sound heard as the user, and answered), is a false barge-in.
 - noise: sounds that are not words while the reply plays (`scenarios.noises`: a cough, a clatter, a
@@ -64,7 +66,7 @@ from duplexd.bench import scenarios as sc
 from duplexd.bench.data import wer
 from duplexd.bench.server import health, serve_llm_process, server_process
 from duplexd.clients.clips import Clip, load_clips
-from duplexd.clients.converse import JITTER_S, ConversationResult, converse_pcm, listening_after
+from duplexd.clients.converse import JITTER_S, ConversationResult, answered_after, converse_pcm, listening_after
 from duplexd.clients.stats import percentile
 from duplexd.config import TurnConfig
 from duplexd.streaming.conversation import echo_score
@@ -95,6 +97,12 @@ FALSE_INTERRUPTIONS = ("backchannel", "noise", "echo")  # sound over the reply t
 # `turn.max_silence_ms`, and the recognizer's final). Ending the session as the reply ended hid those turns
 # (clip06's echo through a 0 dB room, kept listening: six turns the assistant answered, its own echo each).
 LISTEN_AFTER_S = 3.5
+# After a turn that ended too soon: how long past the end of the speech its last turn may take to end and be
+# answered (`turn.max_silence_ms`, the final pass, the first reply audio, with room to spare).
+PREMATURE_AFTER_S = 6.0
+# A turn "holds the whole question" when its words, as said, are this close to the clip's reference (WER):
+# the question's end alone ("through the coat." of "The frosty air passed through the coat.") is far over.
+WHOLE_QUESTION_WER = 0.25
 LOUD_RMS, LOUD_WINDOW = 300.0, 480  # reply audio heard: a 20 ms window (24 kHz) louder than this (int16 RMS)
 
 
@@ -122,6 +130,7 @@ class Run:
     pause_s: float | None = None  # pause: how long the mid-sentence pause was
     eos_to_first_loud_s: float | None = None  # the first loud 20 ms of the reply, as the client plays it
     turn_text: str = ""  # the user's turns as the LLM read them (`turn.ended` texts)
+    last_turn_text: str = ""  # the last of them: what the last reply answered
     quotes: float | None = None  # repeat: how well the reply matches the question (`echo_score`, 0..1)
     interrupted_by: str = ""  # the words that interrupted the reply (`reply.interrupted` `by`)
 
@@ -185,6 +194,7 @@ def _measure(scenario: str, clip: Clip, result: ConversationResult, eos_s: float
         resumed=len(result.of_type("reply.resumed")),
         eos_to_first_loud_s=None if (loud := _first_loud(result)) is None else round(loud - eos_wall, 3),
         turn_text=" ".join(r.event.get("text", "") for r in result.of_type("turn.ended")),
+        last_turn_text=ended[-1].event.get("text", "") if ended else "",
     )
 
 
@@ -289,8 +299,10 @@ async def _conversations(
                 d = len(speech) / sc.RATE
                 paused, resume_s = sc.with_pause(speech, 0.4 * d, 0.6 * d, pause_s, len(lead) / sc.RATE)
                 audio = np.concatenate([lead, paused])
-                result = await converse_pcm(url, audio, sc.RATE, max_s=60)
-                run = _measure("pause", clip, result, sc.speech_end_s(audio), len(lead) / sc.RATE + resume_s)
+                eos_s = sc.speech_end_s(audio)
+                until = answered_after(eos_s, PREMATURE_AFTER_S)
+                result = await converse_pcm(url, audio, sc.RATE, max_s=60, until=until)
+                run = _measure("pause", clip, result, eos_s, len(lead) / sc.RATE + resume_s)
                 run.pause_s = pause_s
                 runs.append(run)
                 print(f"  pause {pause_s} s {clip.path.name}: turns={run.turns} premature={run.premature}", flush=True)
@@ -418,6 +430,7 @@ def _side(
     questions = [r for r in runs if r.scenario == "question"]
     calls = [r for r in runs if r.scenario == "question_webrtc"]
     turn_taking = [r for r in runs if r.scenario in ("question", "pause")]
+    premature = [r for r in turn_taking if r.premature]
     overlapped = [r for r in runs if r.scenario in ("backchannel", "echo")]
     false_paused = [r for r in runs if r.scenario in FALSE_INTERRUPTIONS and r.paused]
     talk_over = [r for r in runs if r.scenario == "talk_over"]
@@ -447,6 +460,12 @@ def _side(
             for p in PAUSES_S
             if (n := sum(r.pause_s == p for r in runs))
         },
+        # (after a turn that ended too soon, the last reply answered the whole question, not only its end)
+        "premature_answered_whole_rate": (
+            sum(wer([references[r.clip]], [r.last_turn_text]) <= WHOLE_QUESTION_WER for r in premature) / len(premature)
+            if premature
+            else None
+        ),
         "false_barge_in_rate": sum(map(_heard_as_user, overlapped)) / len(overlapped) if overlapped else None,
         "echo_false_barge_in_rate": _rate(runs, "echo"),
         "backchannel_false_barge_in_rate": _rate(runs, "backchannel"),
@@ -564,7 +583,8 @@ def _side_table(result: dict[str, Any]) -> list[str]:
         f"TTS real-time factor: {result['tts_rtf']}",
         f"turn texts (question clips) against their references: WER {result.get('turn_text_wer')}",
         f"premature endpoints: {pct(result['premature_endpoint_rate'])} of {c['question'] + c['pause']} turns "
-        f"(by pause: {', '.join(f'{p} s {pct(v)}' for p, v in result['premature_by_pause'].items()) or '-'})",
+        f"(by pause: {', '.join(f'{p} s {pct(v)}' for p, v in result['premature_by_pause'].items()) or '-'}); "
+        f"after them the whole question answered {pct(result.get('premature_answered_whole_rate'))}",
         f"false barge-ins: echo {pct(result['echo_false_barge_in_rate'])} of {c['echo']}, "
         f"backchannel {pct(result['backchannel_false_barge_in_rate'])} of {c['backchannel']}, "
         f"noise {pct(result.get('noise_false_barge_in_rate'))} of {c.get('noise', 0)}"

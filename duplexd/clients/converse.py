@@ -128,6 +128,21 @@ def listening_after(seconds: float) -> Callable[[list[Received]], bool]:
     return settled
 
 
+def answered_after(speech_end_s: float, give_up_s: float) -> Callable[[list[Received]], bool]:
+    """An `until` for `converse_pcm`: every reply has ended, and the last began after `speech_end_s` (stream
+    seconds): a reply begun during the speech (a turn that ended too soon) is followed by the turn the rest
+    of the speech makes, and by its reply; or `give_up_s` after `speech_end_s`, every reply ended."""
+
+    def settled(events: list[Received]) -> bool:
+        if not _replies_settled(events):
+            return False
+        end = events[0].t + speech_end_s  # (events[0]: session.started, when the first audio was sent)
+        started = [r.t for r in events if r.event["type"] == "reply.started"]
+        return started[-1] >= end or time.monotonic() - end >= give_up_s
+
+    return settled
+
+
 async def converse_pcm(
     url: str,
     pcm: np.ndarray,

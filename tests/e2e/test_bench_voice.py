@@ -48,12 +48,15 @@ def test_bench_voice_quick(clips: list[Clip], tmp_path: Path, capsys) -> None:
     questions = [r for r in result["runs"] if r["scenario"] == "question"]
     for r in questions:  # every question was answered, text before audio
         assert r["turns"] == 1 and r["reply_text"] and r["reply_audio_s"] > 0
+        assert r["last_turn_text"] == r["turn_text"]  # (one turn: the last is the only one)
         assert 0 < r["eos_to_turn_end_s"] <= r["eos_to_first_token_s"] <= r["eos_to_first_audio_s"]
     assert 0 < result["tts_rtf"] < 1  # faster than real time
     (talk,) = [r for r in result["runs"] if r["scenario"] == "talk_over"]
     assert talk["paused"] >= 1 and 0 < talk["stop_s"] < talk["confirm_s"]  # paused on speech, before the words
     pauses = [r for r in result["runs"] if r["paused"]]
     assert all(r["resumed"] or r["interrupted"] for r in pauses)  # every pause ended one way or the other
+    whole = result["premature_answered_whole_rate"]  # (None where no turn ended too soon)
+    assert whole is None or 0.0 <= whole <= 1.0
     assert 0.0 <= result["premature_endpoint_rate"] <= 1.0 and 0.0 <= result["false_barge_in_rate"] <= 1.0
     echo = result["echo_cancellation"]  # (the `on` side gates echo: its cost over every session's microphone)
     assert echo["audio_s"] > 10 and 0 < echo["ms_per_s"] < 1000
