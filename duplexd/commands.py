@@ -41,6 +41,9 @@ class DraftReply:
 class InterruptReply:
     reply: int
     heard_tokens: int
+    # The reply is taken back whole, and the end of the user's turn with it: the turn is open again and the
+    # user's next words continue it (`turn.continue_turn_ms`). Where the engine cannot, cut at `heard_tokens`.
+    withdraw: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -363,6 +363,13 @@ class TurnConfig:
     """... or as many words of the recognizer's latest (not yet committed) hypothesis, while the reply plays
     and speech does not pause it (`pause_on_speech_ms` = 0, or its pauses proved to be echo): where speech
     pauses replies, only committed words interrupt (a paused reply is silent already)."""
+    continue_turn_ms: int = 500
+    """Words that interrupt a reply from speech begun within this long of the turn's end (before it, too:
+    VAD hears a resumed voice ~0.1-0.2 s late) continue that turn: the user went on after a pause the
+    endpointer took for the end (a "premature endpoint"), or started again as the reply did. The reply is
+    withdrawn (the LLM forgets it, `turn.continued`) and the next turn's end answers everything they said,
+    not only what followed the pause. 0: such words open a new turn, after the reply cut where it was
+    heard. (Realtime sessions keep OpenAI's items: a new one, always.)"""
     pause_on_speech_ms: int = 128
     """Speech (VAD, this long without a break) while the reply is playing pauses it at once (`reply.paused`),
     before any word is recognized; the words then interrupt it as above, or the reply resumes where it
@@ -411,6 +418,7 @@ class TurnConfig:
     def __post_init__(self) -> None:
         _require(self.pause_ms >= 0, "turn.pause_ms", self.pause_ms, ">= 0")
         _require(self.min_silence_ms >= 0, "turn.min_silence_ms", self.min_silence_ms, ">= 0")
+        _require(self.continue_turn_ms >= 0, "turn.continue_turn_ms", self.continue_turn_ms, ">= 0")
         _require(
             self.max_silence_ms >= self.min_silence_ms, "turn.max_silence_ms", self.max_silence_ms, ">= min_silence_ms"
         )

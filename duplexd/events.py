@@ -83,6 +83,16 @@ class TurnEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnContinued:
+    """The user went on: turn `turn` had not ended. They spoke again within `turn.continue_turn_ms` of its
+    end and their words interrupted its reply, which is withdrawn (the LLM forgets it, and the turn's
+    close); `text`, the turn's words so far, opens the next turn, whose `turn.ended` carries all of it."""
+
+    turn: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReplyStarted:
     reply: int
 
@@ -187,6 +197,7 @@ Event = (
     | TranscriptUpdated
     | UtteranceFinalized
     | TurnEnded
+    | TurnContinued
     | ReplyStarted
     | ReplySpeculation
     | ReplyRelayed

@@ -600,6 +600,45 @@ class DialogEngine:
         del session.reply_stats[heard:]
         self._finish_reply(session)
 
+    def withdraw_reply(self, sid: int) -> bool:
+        """Take the reply back whole, and the close of the user's turn it answered: that turn is open
+        again, as if it had never ended, and the user's next words continue it (the user went on over the
+        reply's first words: `turn.continue_turn_ms`). False, and nothing changed, once the user's words
+        followed a finished reply or the window no longer holds the turn's end."""
+        session = self._get(sid)
+        close = self.tokenizer.encode(self.format.reply_close)
+        after_reply = session.reply_start + len(session.reply) + len(close)
+        end = session.window.n + len(session.pending)
+        finished = not session.replying and not session.user_open and end == after_reply
+        if not (session.replying or finished) or not session.answering:
+            return False
+        cut = session.reply_start - len(self.tokenizer.encode(self.format.user_close))
+        if cut < session.window.n:
+            oldest = min((t for t in session.window.row_t.tolist() if t >= self.config.window.sink_tokens), default=0)
+            if oldest > cut or len([pos for pos, _ in session.log if pos >= cut]) != session.window.n - cut:
+                return False
+            _cut_back(session, cut)
+        else:  # (the turn's end is still queued: drop what follows it, the words before it stay queued)
+            keep = cut - session.window.n
+            drop = len(session.pending) - keep
+            for _ in range(drop):
+                session.pending.pop()
+            while drop:
+                if session.cuts[-1] <= drop:
+                    drop -= session.cuts.pop()
+                else:
+                    session.cuts[-1] -= drop
+                    drop = 0
+            session.key = _chain(session.key, ("cut", cut))
+        session.replying = False
+        session.reply, session.reply_stats = [], []
+        session.user_words.clear()
+        session.user_words.extend(session.answering)
+        session.answering = ()
+        session.user_open = True
+        session.p_end_of_turn = None
+        return True
+
     def _followed_reply(self, session: _Session, after_reply: int) -> list[int] | None:
         """The tokens after a finished reply when only the user's open turn followed it (None otherwise, or
         when the window or the log no longer holds the reply and everything after it)."""

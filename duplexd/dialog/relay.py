@@ -234,6 +234,15 @@ class RelayDialogEngine(RemoteFront):
             return
         self.remote.interrupt(sid, heard_tokens)
 
+    def withdraw_reply(self, sid: int) -> bool:
+        """The remote transcript's (`RemoteDialogEngine.withdraw_reply`); the local side re-reads it at the
+        user's next words. False while the local model still decides the prefix (the reply is then
+        interrupted as usual)."""
+        if sid in self._prefixing or not self.remote.withdraw_reply(sid):
+            return False
+        self._stale.add(sid)
+        return True
+
     def rewrite(
         self, sid: int, system_prompt: str | None, turns: Sequence[tuple[str, str]], open_user: str = ""
     ) -> None:

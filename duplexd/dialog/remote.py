@@ -646,6 +646,31 @@ class RemoteDialogEngine:
         del c.reply[heard:]
         self._end_reply(c)
 
+    def withdraw_reply(self, sid: int) -> bool:
+        """Take the reply back whole, and the close of the user's turn it answered: that turn is open again
+        and the user's next words continue it (see `DialogEngine.withdraw_reply`). False, and nothing
+        changed, for a reply that made tool calls or once the user's words followed a finished reply."""
+        c = self._get(sid)
+        if c.segment or c.client_calls or c.calls_made or c.user_open:
+            return False
+        history = list(c.history)
+        if not c.replying:
+            if not (c.reply_done and history and history[-1][0] == "assistant"):
+                return False
+            history.pop()
+        if not history or history[-1][0] != "user":
+            return False
+        if c.replying:
+            self._cancel(c)
+            self.stats["cancelled"] += 1
+        self._drop_calls(c)
+        self.tokenizer.forget(c.reply)
+        c.reply, c.reply_done, c.replying, c.prefix = [], False, False, ""
+        _new_reply(c)
+        c.history = deque(history[:-1])
+        c.user_text, c.user_open = history[-1][1], True
+        return True
+
     # --- the step -------------------------------------------------------------------------------------
 
     def step(self, *, wait: bool = True) -> dict[int, list[int]]:
@@ -928,6 +953,9 @@ class RemoteFront:
 
     def interrupt(self, sid: int, heard_tokens: int) -> None:
         self.remote.interrupt(sid, heard_tokens)
+
+    def withdraw_reply(self, sid: int) -> bool:
+        return self.remote.withdraw_reply(sid)
 
 
 def _words(text: str) -> list[str]:

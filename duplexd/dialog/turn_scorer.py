@@ -94,6 +94,13 @@ class TurnScoredEngine(RemoteFront):
             self.scorer.rewrite(lsid, self._prompts.get(sid), [], open_user)
         return True
 
+    def withdraw_reply(self, sid: int) -> bool:
+        if not self.remote.withdraw_reply(sid):
+            return False
+        if (lsid := self._scored.get(sid)) is not None:  # (the turn, open again: scored as it goes on)
+            self.scorer.rewrite(lsid, self._prompts.get(sid), [], self.remote.history(sid)[-1]["content"])
+        return True
+
     def p_end_of_turn(self, sid: int) -> float | None:
         lsid = self._scored.get(sid)
         return None if lsid is None else self.scorer.p_end_of_turn(lsid)

@@ -112,6 +112,7 @@ class LlmEngine(Protocol):
     def p_end_of_turn(self, sid: int) -> float | None: ...
     def start_reply(self, sid: int, prefix: str = "") -> None: ...  # prefix: the reply's given first words
     def interrupt(self, sid: int, heard_tokens: int) -> None: ...
+    def withdraw_reply(self, sid: int) -> bool: ...
     def rewrite(
         self, sid: int, system_prompt: str | None, turns: Sequence[tuple[str, str]], open_user: str = ""
     ) -> None: ...
@@ -500,9 +501,14 @@ class DialogWorker:
                     self._draft(sid, entry, text)
             case StartReply(reply=reply):
                 self._start_reply(sid, entry, reply, early)
-            case InterruptReply(reply=reply, heard_tokens=heard):
+            case InterruptReply(reply=reply, heard_tokens=heard, withdraw=withdraw):
                 if entry.last_reply == reply:
-                    engine.interrupt(sid, heard)  # also cuts a reply whose generation has finished
+                    if withdraw and engine.withdraw_reply(sid):
+                        self._drop(self._pool.prune(sid, engine.state_key(sid)))  # (drafts of the closed turn)
+                    else:
+                        if withdraw:
+                            log.info("session %d: reply %d could not be withdrawn: cut where heard", sid, reply)
+                        engine.interrupt(sid, heard)  # also cuts a reply whose generation has finished
                     entry.reply = None
             case ReplaceContext(system_prompt=prompt, turns=turns, open_user=open_user):
                 if entry.reply is not None:  # (the conversation sends it between replies only)

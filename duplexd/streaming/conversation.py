@@ -51,6 +51,7 @@ from duplexd.events import (
     ReplyResumed,
     ReplyStarted,
     TranscriptUpdated,
+    TurnContinued,
     TurnEnded,
     UtteranceFinalized,
     Word,
@@ -209,6 +210,7 @@ class _Reply:
     echo_scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (heard, len(text)) -> score
     question: str = ""  # the user's turn it answers, normalized
     started_s: float = 0.0  # the stream time at which the reply began (its turn ended)
+    turn_eos_s: float = 0.0  # ... and at which the speech of that turn had ended
 
     @property
     def samples(self) -> int:
@@ -275,6 +277,9 @@ class Conversation:
         self.auto_turns = auto_turns  # False: a turn ends only by `commit`/`respond` (the client decides)
         self.auto_respond = auto_respond  # False: a turn that ends waits for `respond` to be answered
         self.barge_in = True  # False: the user's words never stop a reply (they wait for the next turn)
+        # False: words that interrupt a reply open a new turn even when they continue the one it answers
+        # (`turn.continue_turn_ms`; a Realtime session's items are OpenAI's: a new one, always)
+        self.continue_turns = True
         # How many dB the echo canceller took out of the microphone over a span of the stream (None: it had
         # no echo to cancel there); set by the shell for a session that cancels its echo.
         self.echo_db: Callable[[float, float], float | None] | None = None
@@ -299,6 +304,8 @@ class Conversation:
         self._backchannels = turn.backchannel_words
         self.turns = 0
         self._turn_words: list[str] = []  # the user's words of the current turn, as sent to the LLM
+        self._ended_words: list[str] = []  # ... and of the turn that ended last, until its reply is heard
+        self._ended_eos_s = 0.0  # (where its speech ended, stream seconds)
         self._sent: dict[int, int] = {}  # utterance -> words of it already sent to the LLM
         # the appends of the utterance appended last in this turn, with their words (its final, deciding
         # them again, may take them back), and that utterance (None: typed text, or none since the turn began);
@@ -579,7 +586,8 @@ class Conversation:
         text = " ".join(self._turn_words)
         out: list[Output] = [TurnEnded(self.turns, text, eos_s, silence_ms, p, p_audio)]
         self._question = normalized(text)
-        self._turn_words = []
+        self._ended_words, self._turn_words = self._turn_words, []
+        self._ended_eos_s = eos_s
         self._appended.clear()  # (a finished turn's words are never taken back)
         self._last_append = None
         self._drafted.clear()
@@ -593,6 +601,7 @@ class Conversation:
         self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker, max_tokens=self.max_reply_tokens)
         self._reply.question = self._question
         self._reply.started_s = self._stream_s
+        self._reply.turn_eos_s = self._ended_eos_s
         return [StartReply(self.turns), ReplyStarted(self.turns)]
 
     def _drafts(self) -> list[Output]:
@@ -733,6 +742,7 @@ class Conversation:
         assert r is not None
         self._reply = None
         self._spoken = r
+        self._ended_words = []  # (the reply has been heard, or cut: the turn it answered is over)
         # (Where the client decides turns, it commits what it has heard: nothing is held back from it.)
         trails = played_out and self.auto_turns
         self._trail = _Trail(r, self._stream_s, self._stream_s + ECHO_TAIL_MS / 1000) if trails else None
@@ -844,7 +854,17 @@ class Conversation:
             and (not hypothesis_counts or hypothesis < self._turn.barge_in_partial_words)
         ):
             return []
-        return self._interrupt("barge_in", by=" ".join(counted))
+        return self._interrupt("barge_in", by=" ".join(counted), withdraw=self._continues(r))
+
+    def _continues(self, r: _Reply) -> bool:
+        """The words that interrupt reply `r` go on with the turn it answers: the speech they are of began
+        in the pause the endpointer took for that turn's end, or within `turn.continue_turn_ms` after it
+        (a client's commit is the client's to take back)."""
+        limit_s = self._turn.continue_turn_ms / 1000
+        if not (self.continue_turns and self.auto_turns and limit_s and self._ended_words):
+            return False
+        starts = [w.start_s for words, _, _ in self._held.values() for w in self._meaningful(words, r)]
+        return bool(starts) and r.turn_eos_s <= min(starts) <= r.started_s + limit_s
 
     def _pause_or_resume(self, r: _Reply, stream_s: float, silence_ms: float, voiced_ms: float) -> list[Output]:
         """Speech over the playing reply pauses it at once; the words then interrupt it (`_maybe_barge_in`),
@@ -976,9 +996,12 @@ class Conversation:
     def phase(self) -> Phase:
         return Phase.REPLYING if self._reply is not None else Phase.LISTENING
 
-    def _interrupt(self, reason: str, heard: int | None = None, *, by: str = "") -> list[Output]:
+    def _interrupt(
+        self, reason: str, heard: int | None = None, *, by: str = "", withdraw: bool = False
+    ) -> list[Output]:
         """Stop the reply; the client heard its first `heard` samples (None: as far as it has played). `by`:
-        a barge-in's words."""
+        a barge-in's words. `withdraw`: they continue the turn the reply answers (`_continues`): the reply
+        is taken back whole and the turn is open again (`turn.continued`), the words joining it."""
         r = self._reply
         assert r is not None
         heard_samples = 0
@@ -989,14 +1012,20 @@ class Conversation:
         heard_chars = self._heard_chars(r, heard_samples)
         heard_tokens = sum(1 for end in r.token_ends if end <= heard_chars)
         heard_text = r.text[: r.token_ends[heard_tokens - 1]].strip() if heard_tokens else ""
-        r.kept_tokens = heard_tokens
+        r.kept_tokens = 0 if withdraw else heard_tokens
         out: list[Output] = [
-            InterruptReply(r.number, heard_tokens),
+            InterruptReply(r.number, heard_tokens, withdraw=withdraw),
             StopAudio(r.number),
             ReplyInterrupted(r.number, 1000 * heard_samples / OUTPUT_SAMPLE_RATE, heard_text, reason, by),
         ]
         r.sent = True
-        return out + self._leave_reply()
+        if withdraw:
+            self._turn_words = [*self._ended_words, *self._turn_words]
+            out.append(TurnContinued(r.number, " ".join(self._turn_words)))
+        out += self._leave_reply()
+        if withdraw:
+            self._spoken = None  # (nothing of it is left to truncate)
+        return out
 
     def rebase_output(self, sent_samples: int) -> None:
         """After `StopAudio`: the output stream holds exactly what was sent, and the client skips what it

@@ -58,6 +58,11 @@ class NativeCodec:
                 self._turns.append(("user", text))
             case ev.ReplyDone(text=text) | ev.ReplyInterrupted(heard_text=text) if text.strip():
                 self._turns.append(("assistant", text))
+            case ev.TurnContinued():  # (the turn and its withdrawn reply: the next turn.ended holds them both)
+                if self._turns and self._turns[-1][0] == "assistant":
+                    self._turns.pop()
+                if self._turns and self._turns[-1][0] == "user":
+                    self._turns.pop()
         self.conn.send(protocol.encode_event(event))
 
     def audio(self, seq: int, pcm: bytes) -> None:

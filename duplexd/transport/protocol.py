@@ -41,6 +41,7 @@ class ServerType(StrEnum):
     TRANSCRIPT_PARTIAL = "transcript.partial"
     TRANSCRIPT_FINAL = "transcript.final"
     TURN_ENDED = "turn.ended"
+    TURN_CONTINUED = "turn.continued"
     REPLY_STARTED = "reply.started"
     REPLY_SPECULATION = "reply.speculation"
     REPLY_RELAYED = "reply.relayed"
@@ -313,6 +314,8 @@ def encode_event(event: ev.Event) -> dict[str, Any]:
                 "p_end": None if p is None else round(p, 5),
                 "p_audio": None if pa is None else round(pa, 3),
             }
+        case ev.TurnContinued(turn=turn, text=text):
+            return {"type": ServerType.TURN_CONTINUED, "turn": turn, "text": text}
         case ev.ReplyStarted(reply=r):
             return {"type": ServerType.REPLY_STARTED, "reply": r}
         case ev.ReplySpeculation(reply=r, drafts=drafts, hit=hit, draft_tokens=n):

@@ -127,6 +127,7 @@ class RealtimeCodec:
         }
 
     def configure(self, conversation: cv.Conversation) -> None:
+        conversation.continue_turns = False  # (OpenAI's items: words after a turn's end are a new one)
         self._apply_turn_detection(conversation, self.settings.turn_detection)
 
     def release(self) -> None:

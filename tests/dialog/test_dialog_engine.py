@@ -589,3 +589,42 @@ def test_retracted_user_words_leave_the_context_as_if_never_said(smol) -> None:
         assert not engine.retract_user_text(sid, [" capital of France?"])  # (the turn is closed)
         replies[sid] = run_until_idle(engine).get(sid, [])
     assert replies[control] and replies[in_kv] == replies[control] == replies[queued]
+
+
+def test_a_withdrawn_reply_leaves_the_turn_open_as_if_it_had_never_ended(smol) -> None:
+    """The user went on after a pause the endpointer took for the turn's end (`turn.continue_turn_ms`): the
+    reply is taken back whole, the turn's close with it, whether the reply was still being decoded, had
+    ended, or had not yet been prefilled; the conversation that then hears the rest of the question is the
+    one that heard it whole, bit for bit, and so is its reply."""
+    engine = make_engine(smol, max_sessions=4, max_reply_tokens=12, prefill_chunk=16)
+    control = engine.open()
+    engine.append_user_text(control, "What is the capital")
+    engine.append_user_text(control, " of France?")
+    run_until_idle(engine)
+    replying, finished, queued = engine.open(), engine.open(), engine.open()
+    for sid in (replying, finished, queued):
+        engine.append_user_text(sid, "What is the capital")
+    run_until_idle(engine)
+    engine.start_reply(finished)
+    run_until_idle(engine)
+    engine.start_reply(replying)
+    while len(engine.reply_tokens(replying)) < 3:
+        engine.step()
+    engine.start_reply(queued)  # (its turn's end not prefilled yet)
+    for sid in (replying, finished, queued):
+        assert engine.withdraw_reply(sid)
+        assert not engine.replying(sid) and engine.reply_tokens(sid) == []
+        engine.append_user_text(sid, " of France?")
+    run_until_idle(engine)
+    p = engine.p_end_of_turn(control)
+    assert p is not None
+    for sid in (replying, finished, queued):
+        assert engine.context_tokens(sid) == engine.context_tokens(control)
+        assert engine.p_end_of_turn(sid) == pytest.approx(p, abs=1e-6)
+    replies = {}
+    for sid in (control, replying, finished, queued):
+        engine.start_reply(sid)
+        replies[sid] = run_until_idle(engine).get(sid, [])
+    assert replies[control] and all(r == replies[control] for r in replies.values())
+    engine.append_user_text(control, " Thanks.")  # (the user spoke after the reply: it is theirs now)
+    assert not engine.withdraw_reply(control)

@@ -179,6 +179,41 @@ async def test_the_transcript_keeps_only_the_heard_part(llm_url: str) -> None:
 
 
 @slow
+async def test_a_withdrawn_reply_leaves_the_turn_open_in_the_transcript(llm_url: str) -> None:
+    """The user went on after the turn's end (`turn.continue_turn_ms`): the reply, in flight or finished,
+    leaves the transcript, and the user's turn is open again; the next request asks the whole question."""
+    engine = remote_engine(llm_url)
+
+    def reply(sid: int) -> str:
+        engine.start_reply(sid)
+        while engine.replying(sid):
+            engine.step()
+        return engine.tokenizer.decode(engine.reply_tokens(sid))
+
+    control = engine.open()
+    engine.append_user_text(control, "What is the capital of France?")
+    expected = reply(control)
+    for finish in (False, True):
+        sid = engine.open()
+        engine.append_user_text(sid, "What is the capital")
+        engine.start_reply(sid)
+        while engine.replying(sid) and (finish or not engine.reply_tokens(sid)):
+            engine.step()
+        assert engine.withdraw_reply(sid)
+        assert not engine.replying(sid) and not engine.busy() and engine.reply_tokens(sid) == []
+        engine.append_user_text(sid, " of France?")
+        assert engine.history(sid) == [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
+        assert reply(sid) == expected
+        engine.append_user_text(sid, " Thanks.")  # (the user spoke after the reply: it is theirs now)
+        assert not engine.withdraw_reply(sid)
+        engine.close(sid)
+    engine.close(control)
+
+
+@slow
 async def test_an_adopted_draft_is_the_reply_and_a_dropped_one_is_cancelled(local: DialogEngine, llm_url: str) -> None:
     engine = remote_engine(llm_url)
     sid = engine.open()
@@ -542,6 +577,28 @@ def test_words_taken_back_are_taken_back_from_the_turn_scorer_too(local: DialogE
 
     scored = TurnScoredEngine(remote_engine("http://127.0.0.1:9"), local)  # (no request is made)
     assert_taken_back_as_if_said_right(scored, [" capital of Spain"], [" capital of Spain"])
+    assert local.sessions == 0
+
+
+@slow
+def test_a_withdrawn_reply_reopens_the_turn_the_scorer_reads_too(local: DialogEngine) -> None:
+    """`TurnScoredEngine`: the turn open again, the local model scores it whole as it goes on."""
+    from duplexd.dialog.turn_scorer import TurnScoredEngine
+
+    scored = TurnScoredEngine(remote_engine("http://127.0.0.1:9"), local)  # (its request fails: withdrawn)
+    control, sid = scored.open(), scored.open()
+    scored.append_user_text(control, "What is the capital of France?")
+    scored.append_user_text(sid, "What is the capital")
+    scored.start_reply(sid)
+    assert scored.withdraw_reply(sid)
+    scored.append_user_text(sid, " of France?")
+    while scored.busy():
+        scored.step()
+    p = scored.p_end_of_turn(control)
+    assert p is not None and scored.p_end_of_turn(sid) == pytest.approx(p, abs=1e-6)
+    assert scored.history(sid) == scored.history(control)
+    scored.close(control)
+    scored.close(sid)
     assert local.sessions == 0
 
 

@@ -12,6 +12,7 @@ from duplexd.events import (
     ReplyInterrupted,
     ReplyStarted,
     TranscriptUpdated,
+    TurnContinued,
     TurnEnded,
     UtteranceFinalized,
     Word,
@@ -706,3 +707,54 @@ def test_without_an_llm_p_end_the_audio_ends_the_turn() -> None:
         assert not of(before, TurnEnded), p_audio
         (ended,) = of(conv.tick(stream_s=2.0 + ends_at_ms / 1000, silence_ms=ends_at_ms, asr_settled=True), TurnEnded)
         assert ended.p_audio == p_audio and ended.p_end is None
+
+
+def premature_end(conv: cv.Conversation) -> tuple[int, list[cv.Output]]:
+    """The endpointer ends "The frosty air passed" (speech over at 1.15 s, the turn at 2.0 s: in the pause
+    that bench voice's mid-sentence pauses of 0.8-1.0 s make) and its reply begins to play."""
+    say(conv, 1, "The frosty air passed")
+    (turn,) = of(conv.tick(stream_s=2.0, silence_ms=850, asr_settled=True), TurnEnded)
+    out = stream_reply(conv, turn.turn, "It is cold outside today.")
+    out += voice_all(conv, turn.turn, out)
+    return turn.turn, out
+
+
+def test_words_begun_in_the_pause_that_ended_the_turn_continue_it() -> None:
+    """bench voice's mid-sentence pauses of 0.8-1.0 s: "The frosty air passed | through the coat" ended the
+    turn in the pause. Speech begun in that pause (or just after the turn's end) goes on with the turn: the
+    reply is withdrawn whole and the next turn's end answers all of it, not only "through the coat"."""
+    conv = new()
+    reply, _ = premature_end(conv)
+    out = conv.observe([TranscriptUpdated(2, words("through his coat", 1.95), 2)])
+    (stop,) = of(out, cmd.InterruptReply)
+    assert stop.reply == reply and stop.withdraw
+    assert of(out, ReplyInterrupted)[0].by == "through his coat"  # (the client stops its audio as for any barge-in)
+    assert of(out, TurnContinued) == [TurnContinued(reply, "The frosty air passed")]
+    assert [a.text for a in of(out, cmd.AppendUserText)] == [" through his"]  # (after the turn's words)
+    assert out.index(stop) < out.index(of(out, cmd.AppendUserText)[0])  # (withdrawn before they are appended)
+    (append,) = of(conv.observe([UtteranceFinalized(2, words("through his coat", 1.95))]), cmd.AppendUserText)
+    conv.p_end_of_turn(0.5, append.version)
+    assert turn_text(conv) == "The frosty air passed through his coat"
+    assert conv.truncate(reply, 1000) is None  # (nothing of the withdrawn reply is left to cut)
+
+
+def test_words_begun_well_after_the_turn_ended_start_a_turn_of_their_own() -> None:
+    conv = new()
+    reply, _ = premature_end(conv)
+    out = conv.observe([TranscriptUpdated(2, words("wait stop talking", 2.6), 2)])  # (0.6 s after its end)
+    (stop,) = of(out, cmd.InterruptReply)
+    assert stop.reply == reply and not stop.withdraw and not of(out, TurnContinued)
+    assert [a.text for a in of(out, cmd.AppendUserText)] == ["wait stop"]
+    (append,) = of(conv.observe([UtteranceFinalized(2, words("wait stop talking", 2.6))]), cmd.AppendUserText)
+    conv.p_end_of_turn(0.5, append.version)
+    assert turn_text(conv) == "wait stop talking"
+
+
+def test_a_turn_does_not_continue_where_the_setting_or_the_protocol_says_so() -> None:
+    off = cv.Conversation(TurnConfig(min_silence_ms=250, continue_turn_ms=0), TtsConfig(first_words=3))
+    realtime = new()
+    realtime.continue_turns = False  # (a Realtime session: OpenAI's items, a new one after every turn)
+    for conv in (off, realtime):
+        premature_end(conv)
+        out = conv.observe([TranscriptUpdated(2, words("through his coat", 1.95), 2)])
+        assert not of(out, cmd.InterruptReply)[0].withdraw and not of(out, TurnContinued)

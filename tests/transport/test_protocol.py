@@ -227,6 +227,10 @@ ENCODED = [
             "p_audio": 0.971,
         },
     ),
+    (
+        ev.TurnContinued(turn=2, text="The frosty air passed."),
+        {"type": "turn.continued", "turn": 2, "text": "The frosty air passed."},
+    ),
     (ev.ReplyStarted(reply=2), {"type": "reply.started", "reply": 2}),
     (
         ev.ReplySpeculation(reply=2, drafts=2, hit=True, draft_tokens=16),

@@ -667,6 +667,9 @@ function onEvent(s, ev) {
     case "reply.interrupted":
       onReplyInterrupted(s, ev);
       break;
+    case "turn.continued":
+      onTurnContinued(s, ev);
+      break;
     case "session.ended":
       setStatus("Session ended.");
       break;
@@ -806,6 +809,20 @@ function onReplyInterrupted(s, ev) {
   if (!reply) return;
   s.player.port.postMessage({ type: "flush" });
   markInterrupted(s, reply, ev.heard_text);
+}
+
+// The user went on: the reply to the turn they continued is withdrawn (the next turn answers all of it).
+function onTurnContinued(s, ev) {
+  const reply = replyOf(ev.turn);
+  if (!reply) return;
+  reply.withdrawn = true;
+  const el = s.replyEls.get(reply.reply);
+  const label = document.createElement("small");
+  label.textContent = " (withdrawn: you went on)";
+  const struck = document.createElement("s");
+  struck.textContent = reply.text;
+  el.classList.add("interrupted");
+  el.replaceChildren(struck, label);
 }
 
 // What was heard solid, the rest struck through, and a label.
