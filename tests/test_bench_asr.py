@@ -147,4 +147,4 @@ def test_the_table_gives_the_offline_wer_at_each_lead() -> None:
         "wer_ratio_over_offline_lead_mean": 1.09,
     }
     text = table({"replay": {"tiny.en": replayed}})
-    assert "with silence before each clip: WER 0 s 0.02, 0.5 s 0.03 (streaming over their mean 1.09)" in text
+    assert "with silence before each clip: WER 0 s 0.021, 0.5 s 0.025 (streaming over their mean 1.09)" in text

@@ -331,7 +331,7 @@ def table(r: dict[str, Any]) -> str:
             )
         )
         if "wer_offline_by_lead" in x:
-            each = ", ".join(f"{k} s {f(v)}" for k, v in x["wer_offline_by_lead"].items())
+            each = ", ".join(f"{k} s {v:.3f}" for k, v in x["wer_offline_by_lead"].items())
             lines.append(
                 f"offline {model} with silence before each clip: WER {each} "
                 f"(streaming over their mean {f(x['wer_ratio_over_offline_lead_mean'])})"

@@ -720,9 +720,11 @@ def premature_end(conv: cv.Conversation) -> tuple[int, list[cv.Output]]:
 
 
 def test_words_begun_in_the_pause_that_ended_the_turn_continue_it() -> None:
-    """bench voice's mid-sentence pauses of 0.8-1.0 s: "The frosty air passed | through the coat" ended the
-    turn in the pause. Speech begun in that pause (or just after the turn's end) goes on with the turn: the
-    reply is withdrawn whole and the next turn's end answers all of it, not only "through the coat"."""
+    """Measured (bench voice, mid-sentence pauses of 0.8-1.0 s, the microphone kept open): "The frosty air
+    passed | through the coat" ended the turn in the pause; the rest of the question interrupted its reply
+    and was a turn of its own, answered alone ('You can use "through" to describe the fabric of the coat').
+    Speech begun in that pause (or just after the turn's end) goes on with the turn: the reply is withdrawn
+    whole and the next turn's end answers all of it."""
     conv = new()
     reply, _ = premature_end(conv)
     out = conv.observe([TranscriptUpdated(2, words("through his coat", 1.95), 2)])

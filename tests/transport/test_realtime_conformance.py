@@ -123,6 +123,7 @@ async def test_clients_first_updates_are_honoured_without_errors(make_server) ->
     async with ws:
         session_id = wire.all[0]["session"]["id"]
         handle = srv.server.handles[session_id]
+        assert not handle.conversation.continue_turns  # (OpenAI's items: speech after a turn's end is a new one)
         await wire.send(PIPECAT_UPDATE)
         td = (await wire.until("session.updated"))["session"]["audio"]["input"]["turn_detection"]
         assert td["type"] == "server_vad" and td["threshold"] == 0.6 and td["prefix_padding_ms"] == 300
