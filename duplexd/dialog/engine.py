@@ -477,15 +477,7 @@ class DialogEngine:
                 return False
             _cut_back(session, cut)
         else:
-            drop = len(ids)
-            for _ in range(drop):
-                session.pending.pop()
-            while drop:
-                if session.cuts[-1] <= drop:
-                    drop -= session.cuts.pop()
-                else:
-                    session.cuts[-1] -= drop
-                    drop = 0
+            _drop_queued(session, len(ids))
         for _ in ids:
             session.user_words.pop()
         session.p_end_of_turn = None
@@ -619,16 +611,7 @@ class DialogEngine:
                 return False
             _cut_back(session, cut)
         else:  # (the turn's end is still queued: drop what follows it, the words before it stay queued)
-            keep = cut - session.window.n
-            drop = len(session.pending) - keep
-            for _ in range(drop):
-                session.pending.pop()
-            while drop:
-                if session.cuts[-1] <= drop:
-                    drop -= session.cuts.pop()
-                else:
-                    session.cuts[-1] -= drop
-                    drop = 0
+            _drop_queued(session, len(session.pending) - (cut - session.window.n))
             session.key = _chain(session.key, ("cut", cut))
         session.replying = False
         session.reply, session.reply_stats = [], []
@@ -835,6 +818,18 @@ def _view(session: _Session) -> SessionView:
 
 def _chain(key: int, piece: tuple[object, ...]) -> int:
     return hash((key, piece))
+
+
+def _drop_queued(session: _Session, n: int) -> None:
+    """Forget the last `n` tokens queued (not yet in the KV), and their share of the queued pieces."""
+    for _ in range(n):
+        session.pending.pop()
+    while n:
+        if session.cuts[-1] <= n:
+            n -= session.cuts.pop()
+        else:
+            session.cuts[-1] -= n
+            n = 0
 
 
 def _cut_back(session: _Session, cut: int) -> None:
