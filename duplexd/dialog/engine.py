@@ -468,16 +468,8 @@ class DialogEngine:
         words = list(session.user_words)
         if not ids or session.replying or not session.user_open or len(ids) > len(words) or words[-len(ids) :] != ids:
             return False
-        end = session.window.n + len(session.pending)
-        cut = end - len(ids)
-        if cut < session.window.n:
-            oldest = min((t for t in session.window.row_t.tolist() if t >= self.config.window.sink_tokens), default=0)
-            logged = [pos for pos, _ in session.log if pos >= cut]
-            if oldest > cut or len(logged) != session.window.n - cut:
-                return False
-            _cut_back(session, cut)
-        else:
-            _drop_queued(session, len(ids))
+        if not self._forget_from(session, session.window.n + len(session.pending) - len(ids)):
+            return False
         for _ in ids:
             session.user_words.pop()
         session.p_end_of_turn = None
@@ -604,15 +596,8 @@ class DialogEngine:
         finished = not session.replying and not session.user_open and end == after_reply
         if not (session.replying or finished) or not session.answering:
             return False
-        cut = session.reply_start - len(self.tokenizer.encode(self.format.user_close))
-        if cut < session.window.n:
-            oldest = min((t for t in session.window.row_t.tolist() if t >= self.config.window.sink_tokens), default=0)
-            if oldest > cut or len([pos for pos, _ in session.log if pos >= cut]) != session.window.n - cut:
-                return False
-            _cut_back(session, cut)
-        else:  # (the turn's end is still queued: drop what follows it, the words before it stay queued)
-            _drop_queued(session, len(session.pending) - (cut - session.window.n))
-            session.key = _chain(session.key, ("cut", cut))
+        if not self._forget_from(session, session.reply_start - len(self.tokenizer.encode(self.format.user_close))):
+            return False
         session.replying = False
         session.reply, session.reply_stats = [], []
         session.user_words.clear()
@@ -620,6 +605,19 @@ class DialogEngine:
         session.answering = ()
         session.user_open = True
         session.p_end_of_turn = None
+        return True
+
+    def _forget_from(self, session: _Session, cut: int) -> bool:
+        """Forget every token of the session from position `cut` on: cut back from the KV (`_cut_back`), or,
+        where they are all still queued, dropped from the queue (the state is then the one the tokens before
+        them reach). False, and nothing changed, where the window or the log no longer holds them all."""
+        if cut >= session.window.n:
+            _drop_queued(session, session.window.n + len(session.pending) - cut)
+            return True
+        oldest = min((t for t in session.window.row_t.tolist() if t >= self.config.window.sink_tokens), default=0)
+        if oldest > cut or sum(1 for pos, _ in session.log if pos >= cut) != session.window.n - cut:
+            return False
+        _cut_back(session, cut)
         return True
 
     def _followed_reply(self, session: _Session, after_reply: int) -> list[int] | None:

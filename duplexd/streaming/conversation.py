@@ -210,7 +210,6 @@ class _Reply:
     echo_scores: dict[tuple[str, int], float] = field(default_factory=dict)  # (heard, len(text)) -> score
     question: str = ""  # the user's turn it answers, normalized
     started_s: float = 0.0  # the stream time at which the reply began (its turn ended)
-    turn_eos_s: float = 0.0  # ... and at which the speech of that turn had ended
 
     @property
     def samples(self) -> int:
@@ -601,7 +600,6 @@ class Conversation:
         self._reply = _Reply(self.turns, self._last_utterance + 1, chunker=chunker, max_tokens=self.max_reply_tokens)
         self._reply.question = self._question
         self._reply.started_s = self._stream_s
-        self._reply.turn_eos_s = self._ended_eos_s
         return [StartReply(self.turns), ReplyStarted(self.turns)]
 
     def _drafts(self) -> list[Output]:
@@ -864,7 +862,7 @@ class Conversation:
         if not (self.continue_turns and self.auto_turns and limit_s and self._ended_words):
             return False
         starts = [w.start_s for words, _, _ in self._held.values() for w in self._meaningful(words, r)]
-        return bool(starts) and r.turn_eos_s <= min(starts) <= r.started_s + limit_s
+        return bool(starts) and self._ended_eos_s <= min(starts) <= r.started_s + limit_s
 
     def _pause_or_resume(self, r: _Reply, stream_s: float, silence_ms: float, voiced_ms: float) -> list[Output]:
         """Speech over the playing reply pauses it at once; the words then interrupt it (`_maybe_barge_in`),
