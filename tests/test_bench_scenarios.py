@@ -11,7 +11,7 @@ import pytest
 
 from duplexd.asr.vad import VAD_CHUNK_SAMPLES, SileroVad, VadStream
 from duplexd.bench import scenarios as sc
-from duplexd.bench.voice import ECHO_GAINS, Run, _pausable, _questions, _rate, echo_rooms_for
+from duplexd.bench.voice import ECHO_GAINS, Run, _pausable, _questions, _rate, echo_rooms_for, sentence_ends_inside
 from duplexd.clients.clips import Clip, silence_around
 from duplexd.clients.converse import answered_after, listening_after
 from duplexd.clients.stream import Received
@@ -76,6 +76,22 @@ def test_sound_over_a_reply_that_ends_a_turn_of_its_own_is_a_false_barge_in() ->
     assert _rate(echo, "echo") == 0.5
     assert _rate([run("noise", 2, False)], "noise") == 1.0
     assert _rate([run("talk_over", 2, False), run("talk_over", 2, True)], "talk_over") == 0.5
+
+
+@pytest.mark.parametrize(
+    ("text", "reference", "ends"),
+    [
+        ("The child almost hurt. The small dog.", "THE CHILD ALMOST HURT THE SMALL DOG", 1),
+        ("The child almost hurt the small dog.", "THE CHILD ALMOST HURT THE SMALL DOG", 0),
+        ("Mr. Quilter is the apostle. And we are glad.", "Mr. Quilter is the apostle and we are glad", 1),
+        ("8. The Press Yard", "8. The Press Yard", 0),  # (the reference's own)
+        ("", "WHAT JOY THERE IS IN LIVING", 0),
+    ],
+)
+def test_sentence_ends_inside_a_turn_said_with_a_pause_are_those_the_reference_lacks(
+    text: str, reference: str, ends: int
+) -> None:
+    assert sentence_ends_inside(text, reference) == ends
 
 
 def test_more_echo_rooms_than_clips_take_the_clips_in_turn() -> None:

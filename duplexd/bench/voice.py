@@ -404,6 +404,17 @@ def _rate(runs: list[Run], scenario: str) -> float | None:
     return sum(_heard_as_user(r) for r in of) / len(of) if of else None
 
 
+def sentence_ends_inside(text: str, reference: str) -> int:
+    """Sentence ends (".", "?", "!" after a word) inside `text`, not counting its last word, beyond those inside
+    `reference`: where a question said with a pause was read as two sentences ("The child almost hurt.
+    The small dog.")."""
+
+    def inside(words: list[str]) -> int:
+        return sum(w.endswith((".", "?", "!")) for w in words[:-1])
+
+    return max(0, inside(text.split()) - inside(reference.split()))
+
+
 def _heard_as_user(run: Run) -> bool:
     """The run's sound over the reply was taken for the user talking: it interrupted the reply, or (sound
     that was not the user) it ended a turn of its own after the question's, which the assistant answered."""
@@ -431,6 +442,7 @@ def _side(
     calls = [r for r in runs if r.scenario == "question_webrtc"]
     turn_taking = [r for r in runs if r.scenario in ("question", "pause")]
     premature = [r for r in turn_taking if r.premature]
+    paused = [r for r in runs if r.scenario == "pause"]
     overlapped = [r for r in runs if r.scenario in ("backchannel", "echo")]
     false_paused = [r for r in runs if r.scenario in FALSE_INTERRUPTIONS and r.paused]
     talk_over = [r for r in runs if r.scenario == "talk_over"]
@@ -446,6 +458,16 @@ def _side(
         # (what the LLM answered: the question clips' turn texts against their references, corpus WER)
         "turn_text_wer": round(wer([references[r.clip] for r in questions], [r.turn_text for r in questions]), 4)
         if questions
+        else None,
+        # (... and of the questions said with a pause: the last turn's text, and the sentence ends read inside
+        # it, per turn, where the speaker only paused)
+        "pause_turn_text_wer": round(wer([references[r.clip] for r in paused], [r.last_turn_text for r in paused]), 4)
+        if paused
+        else None,
+        "pause_turn_sentence_ends": round(
+            sum(sentence_ends_inside(r.last_turn_text, references[r.clip]) for r in paused) / len(paused), 3
+        )
+        if paused
         else None,
         "eos_to_turn_end_p50_s": turn_end["p50"],
         "eos_to_turn_end_p90_s": turn_end["p90"],
@@ -581,7 +603,9 @@ def _side_table(result: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"TTS real-time factor: {result['tts_rtf']}",
-        f"turn texts (question clips) against their references: WER {result.get('turn_text_wer')}",
+        f"turn texts (question clips) against their references: WER {result.get('turn_text_wer')}; "
+        f"said with a pause: WER {result.get('pause_turn_text_wer')}, "
+        f"sentence ends inside {result.get('pause_turn_sentence_ends')} a turn",
         f"premature endpoints: {pct(result['premature_endpoint_rate'])} of {c['question'] + c['pause']} turns "
         f"(by pause: {', '.join(f'{p} s {pct(v)}' for p, v in result['premature_by_pause'].items()) or '-'}); "
         f"after them the whole question answered {pct(result.get('premature_answered_whole_rate'))}",

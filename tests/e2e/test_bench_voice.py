@@ -21,6 +21,8 @@ KEYS = (
     "eos_to_first_audio_p90_s",
     "tts_rtf",
     "premature_endpoint_rate",
+    "pause_turn_text_wer",
+    "pause_turn_sentence_ends",
     "false_barge_in_rate",
     "echo_false_barge_in_rate",
     "backchannel_false_barge_in_rate",
