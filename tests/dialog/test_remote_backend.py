@@ -560,6 +560,12 @@ def assert_taken_back_as_if_said_right(engine: RemoteFront, misheard: list[str],
     assert not engine.retract_user_text(sid, [" France"])  # (not its last words: nothing changes)
     assert engine.retract_user_text(sid, taken)
     engine.append_user_text(sid, " capital of France?")
+    assert_heard_alike(engine, sid, control)
+
+
+def assert_heard_alike(engine: RemoteFront, sid: int, control: int) -> None:
+    """Once the engine is idle, conversation `sid`'s transcript and the local model's P(end of turn) for it are
+    those of `control`; both are closed then."""
     while engine.busy():
         engine.step()
     p = engine.p_end_of_turn(control)
@@ -592,13 +598,7 @@ def test_a_withdrawn_reply_reopens_the_turn_the_scorer_reads_too(local: DialogEn
     scored.start_reply(sid)
     assert scored.withdraw_reply(sid)
     scored.append_user_text(sid, " of France?")
-    while scored.busy():
-        scored.step()
-    p = scored.p_end_of_turn(control)
-    assert p is not None and scored.p_end_of_turn(sid) == pytest.approx(p, abs=1e-6)
-    assert scored.history(sid) == scored.history(control)
-    scored.close(control)
-    scored.close(sid)
+    assert_heard_alike(scored, sid, control)
     assert local.sessions == 0
 
 
