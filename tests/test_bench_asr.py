@@ -91,6 +91,36 @@ def test_a_sentence_said_with_breaths_longer_than_vads_hangover_reads_as_one(eng
     assert "americans ask not what your country can do for you ask what you can" in _plain(r.text)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("clock", [(0.5, 0.06), (0.37, 0.047)])
+@pytest.mark.parametrize(("pause_s", "continue_gap_s"), [(0.4, 0.0), (0.6, 1.0)])
+def test_a_sentence_resumed_after_a_pause_does_not_read_as_a_title(
+    engines, clip_by_name, clock, pause_s, continue_gap_s
+) -> None:
+    # "The child almost hurt | the small dog.": the continuation's window starts after "The"; prompted with
+    # that word alone, tiny.en read "The child almost Hurt The Small Dog." (bench voice's pause scenario; a
+    # 0.4 s pause is inside VAD's hangover, a 0.6 s one is not).
+    from duplexd.asr.vad import SileroVad
+    from duplexd.bench import scenarios as sc
+    from duplexd.bench.asr_replay import replay
+    from duplexd.config import AsrConfig
+    from duplexd.streaming.session import SessionConfig
+
+    speech = sc.load(clip_by_name["clip10_sb_spk1_snt1.wav"].path)
+    d = len(speech) / sc.RATE
+    paused, _ = sc.with_pause(speech, 0.4 * d, 0.6 * d, pause_s, 0.5)
+    r = replay(
+        np.concatenate([sc.silence(0.5), paused, sc.silence(1.0)]),
+        engines.asr,
+        SileroVad(),
+        SessionConfig(asr=AsrConfig(continue_gap_s=continue_gap_s)),
+        lambda window_s, _wall, _preview: clock[0] + clock[1] * window_s,
+    )
+    finals = [f for _, f in r.finals]
+    assert len(finals) >= 2 and finals[-1].continues is not None  # (finalized at the pause, then continued)
+    assert r.text == "The child almost hurt the small dog."
+
+
 def _plain(text: str) -> str:
     return " ".join("".join(c for c in w.lower() if c.isalnum() or c == "'") for w in text.split())
 

@@ -31,6 +31,7 @@ _ALIGN_SLACK = 3  # words beyond the context's length searched for it at a conti
 _TIME_TOLERANCE_S = 0.1
 _ONSET_SLACK_S = 0.5  # a continuation's context word found again starts at most this long after its onset
 _STALL_S = 1.0  # a continuation none of whose passes read past its context this long after its onset drops it
+_PROMPT_FRAGMENT_WORDS = 1  # a continuation's prompt leaves out its sentence's start this short (`_without_fragment`)
 _SAID_WORDS = 128  # committed words kept for the decoder prompt (it uses at most `prompt_chars` of them)
 _SENTENCE_ENDS = (".", "?", "!")
 _LOOP_MAX_WORDS = 4  # the longest phrase a partial pass's trailing repetition loop is looked for in
@@ -370,12 +371,16 @@ class StreamingTranscriber:
             newly = [w for w in newly if w.start_s < self._voiced_end_s]
         self._committed.extend(newly)
         words = tuple(self._committed)
+        continued, previous = self._joined()
+        if previous is not None and self._continues and self._said and self._said[-1] == self._continues.words[-1]:
+            self._said[-1] = previous[-1]  # (later prompts read the join as it reads now: "best" | "part of")
         self._said.extend(words)
         events: list[Event] = []
         if words or self._last_partial is not None:  # (an utterance shown is always closed, if with no words)
-            events.append(UtteranceFinalized(self._utterance, words, *self._joined()))
-        # (a continuation's context reaches back into the utterance it continued where its own words are few)
-        before = self._continues.words if self._continues is not None else ()
+            events.append(UtteranceFinalized(self._utterance, words, continued, previous))
+        # (a continuation's context reaches back into the utterance it continued where its own words are few,
+        # as they read joined)
+        before = previous or (self._continues.words if self._continues is not None else ())
         self._resumable = _resumable(self._utterance, words, (*before, *words), self._window_start) if words else None
         end = self._final_end if self._final_end is not None else self._ring.end
         self._active = False
@@ -518,12 +523,26 @@ class StreamingTranscriber:
         audio is in the window would make the decoder skip that audio), from a word boundary."""
         before_s = self._window_start / ASR_SAMPLE_RATE + 1e-6
         words = [w.text for w in (*self._said, *self._committed) if w.end_s <= before_s]
+        if self._continues is not None:
+            words = _without_fragment(words)
         text = ""
         for word in reversed(words):
             if len(text) + len(word) + 1 > self._config.prompt_chars:
                 break
             text = f"{word} {text}" if text else word
         return text
+
+
+def _without_fragment(words: list[str]) -> list[str]:
+    """A continuation's prompt `words` without the start of the sentence its window goes on with, where
+    that start is `_PROMPT_FRAGMENT_WORDS` words or fewer: prompted with "The" before "child almost hurt |
+    the small dog", tiny.en read the window as a title ("Child Almost Hurt The Small Dog."). Longer starts
+    stay ("I will" | "say nothing of my antecedents, nor of": without them, "Say nothing ... antecedents.
+    Nor of")."""
+    k = len(words)
+    while k > 0 and not words[k - 1].endswith(_SENTENCE_ENDS):
+        k -= 1
+    return words[:k] if 0 < len(words) - k <= _PROMPT_FRAGMENT_WORDS else words
 
 
 def _trailing_loop(words: Sequence[Word]) -> int:

@@ -752,6 +752,39 @@ def test_a_continuation_of_a_short_continuation_reaches_back_into_the_utterance_
     assert (texts(final.words), final.continues, final.previous) == (["it."], 2, None)
 
 
+def test_a_continuations_prompt_leaves_out_the_lone_first_word_of_its_sentence() -> None:
+    # "The child almost hurt | the small dog.": the window holds "child almost hurt"; prompted with "The"
+    # alone, tiny.en read the rest as a title ("The child almost Hurt The Small Dog."). The sentences
+    # before stay in the prompt, and so do two first words (above: "I said").
+    said = [("Well.", 0.1, 0.3), ("The", 0.4, 0.5), ("child", 0.6, 1.0), ("almost", 1.1, 1.4), ("hurt.", 1.5, 2.0)]
+    request = _continued_after(said).prepare_pass()
+    assert request.start_sample == int(1.5 * SR)  # (from the end of "The": the words of the last 1.5 s)
+    assert request.prompt == "Well."
+
+
+def test_a_later_prompt_reads_a_join_as_it_reads_now() -> None:
+    # "I said Sunday is the best." | "part of the week and the whole" | "month.": the third utterance's
+    # prompt reads "the best part of", as the first join does, not "best. part of" (a sentence end the
+    # speaker did not say, where a prompt that ended it read the next words as a sentence of their own).
+    t, _ = _finalized_at_a_pause()
+    feed(t, 1.2)
+    t.speech_stopped(5.5)
+    request = t.prepare_pass()
+    said = [("Sunday", 1.7, 2.1), ("is", 2.2, 2.3), ("the", 2.4, 2.5), ("best", 2.6, 3.0)]
+    new = [("part", 3.3, 3.6), ("of", 3.7, 3.8), ("the", 3.9, 4.0), ("week", 4.1, 4.4), ("and", 4.5, 4.6)]
+    new += [("the", 4.7, 4.8), ("whole", 4.9, 5.3)]
+    (second,) = t.apply_pass(request, at_stream_times(request, said + new))
+    assert isinstance(second, UtteranceFinalized) and second.previous is not None
+    assert texts(second.previous)[-1] == "best"
+    feed(t, 0.2)
+    t.speech_started(5.7, continues=True)
+    feed(t, 0.6)
+    t.speech_stopped(6.3)
+    request = t.prepare_pass()
+    assert request.start_sample == int(3.8 * SR)  # (from the end of "of")
+    assert request.prompt == "I said Sunday is the best part of"
+
+
 def test_a_continuation_whose_passes_stop_at_the_context_is_decoded_from_its_onset() -> None:
     # Whisper ends the sentence at the context's last word and reads nothing of the new speech (a talk-over
     # in another voice after "... best."): past a second of new speech, the utterance is decoded alone.
