@@ -74,9 +74,8 @@ class AsrConfig:
     # "what your country..." came out "Ask not! Like your country..." decoded alone). 0: only speech that
     # resumes before VAD's end of speech continues. Never across a turn end (`Session.turn_ended`): decoded
     # behind the question, a talk-over 0.7 s after it was not read for 3.5 s and never interrupted the
-    # reply. Off by default: measured on in bench voice's pause scenarios (docs/benchmarks.md, 2026-12-05
-    # night), the same WER and turn timing, more sentences joined, but words after some joins title-cased.
-    continue_gap_s: float = 0.0
+    # reply. 1.0 s: a breath (JFK's are 0.6-0.8 s) continues the sentence, a longer silence starts a new one.
+    continue_gap_s: float = 1.0
     # An utterance's final pass decides all of its words, not only those LocalAgreement left open, where that
     # pass heard the utterance whole (from where its window opened: it was never trimmed): it has every
     # word's right context, and earlier passes committed words with less ("mend the coat" committed "men"
