@@ -422,11 +422,21 @@ class CycleResult:
 
 
 async def reconnect_cycles(
-    url: str, speech: Any, rate: int, cycles: int, *, seed: int = 0, on_cycle: Any = None, final_s: float = 20.0
+    url: str,
+    speech: Any,
+    rate: int,
+    cycles: int,
+    *,
+    seed: int = 0,
+    on_cycle: Any = None,
+    final_s: float = 20.0,
+    pause_s: float = 3.0,
 ) -> CycleResult:
     """One conversation whose connection is killed (no closing handshake) `cycles` times, each after a
-    random 50–400 ms, and resumed at once; the client talks (`speech` again and again, with pauses) and
-    renders replies. Counts what never arrived: tokens, events (`n`), and replies that do not match."""
+    random 50–400 ms, and resumed at once; the client talks (`speech` again and again, `pause_s` apart)
+    and renders replies. Counts what never arrived: tokens, events (`n`), and replies that do not match.
+    A reply is done only once it has played out: one longer than the pause is interrupted by the next
+    repetition, so a caller that needs a finished reply pauses longer than the reply speaks."""
     import random
 
     import numpy as np
@@ -442,7 +452,7 @@ async def reconnect_cycles(
     done_texts: dict[int, str] = {}
     state = {"event_seq": 0, "audio_bytes": 0, "last_token": 0}
     step = rate // 50
-    pause = np.zeros(rate * 3, np.int16)
+    pause = np.zeros(round(rate * pause_s), np.int16)
     mic = np.concatenate([speech, pause]).astype("<i2")
     position = 0
     client = await StreamClient.connect(url)
