@@ -370,8 +370,10 @@ class StreamingTranscriber:
         if self._voiced_end_s is not None:  # (words already committed are out: only the new ones go)
             newly = [w for w in newly if w.start_s < self._voiced_end_s]
         self._committed.extend(newly)
-        words = tuple(self._committed)
         continued, previous = self._joined()
+        words = tuple(self._committed)
+        if self._continues is not None and self._join is None:  # (read without its context: see _sentence_cased)
+            words = _sentence_cased(words, self._continues.words[-1])
         if previous is not None and self._continues and self._said and self._said[-1] == self._continues.words[-1]:
             self._said[-1] = previous[-1]  # (later prompts read the join as it reads now: "best" | "part of")
         self._said.extend(words)
@@ -543,6 +545,17 @@ def _without_fragment(words: list[str]) -> list[str]:
     while k > 0 and not words[k - 1].endswith(_SENTENCE_ENDS):
         k -= 1
     return words[:k] if 0 < len(words) - k <= _PROMPT_FRAGMENT_WORDS else words
+
+
+def _sentence_cased(words: tuple[Word, ...], before: Word) -> tuple[Word, ...]:
+    """A continuation's `words`, decoded without its context, with a capital first letter where the words
+    it continues end a sentence (`before`): a window that starts inside the sentence before is decoded
+    mid-sentence, and the words kept by time read as the middle of one ("I'm Abigail Klafflin." | "you can
+    call me Abby."). A pass that read the context and the new words together decides their case itself."""
+    if not words or not before.text.endswith(_SENTENCE_ENDS) or not words[0].text[:1].islower():
+        return words
+    first = words[0]
+    return (replace(first, text=first.text[0].upper() + first.text[1:]), *words[1:])
 
 
 def _trailing_loop(words: Sequence[Word]) -> int:
