@@ -271,7 +271,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 def _cmd_stream(args: argparse.Namespace) -> int:
     import soundfile as sf
 
-    from duplexd.clients.stream import Received, read_audio, render_event, stream_pcm
+    from duplexd.clients.stream import Line, StreamOutput, read_audio, stream_pcm
 
     if not args.file.is_file():
         raise UsageError(f"no audio file at {args.file}: give the path of a WAV or FLAC file")
@@ -280,14 +280,18 @@ def _cmd_stream(args: argparse.Namespace) -> int:
     except (sf.LibsndfileError, OSError) as exc:
         reason = getattr(exc, "error_string", exc)
         raise UsageError(f"cannot read {args.file} as audio ({reason}): give a WAV or FLAC file") from exc
-    tty = sys.stdout.isatty()
+    output = StreamOutput(json_lines=args.json, acks=args.acks, tty=sys.stdout.isatty())
 
-    def show(got: Received) -> None:
-        line = render_event(got.event, json_lines=args.json, acks=args.acks, tty=tty)
-        if line is not None:
+    def write(lines: list[Line]) -> None:
+        for line in lines:
             print(line.text, end=line.end, file=sys.stderr if line.stderr else sys.stdout, flush=True)
 
-    result = asyncio.run(stream_pcm(args.url, pcm, rate, speed=args.speed, on_event=show))
+    try:
+        result = asyncio.run(
+            stream_pcm(args.url, pcm, rate, speed=args.speed, on_event=lambda got: write(output.show(got)))
+        )
+    finally:
+        write(output.close())  # (what was heard is printed, however the stream ended)
     return 0 if result.close_code in (None, 1000) else 1
 
 
@@ -433,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="stream an audio file to a server and print transcripts",
         description="Send an audio file to a running `duplexd serve` at real-time pace and print its transcript. "
         "On a terminal the partial transcript is rewritten in place; into a pipe or a file only final "
-        "transcripts are printed, one per line.",
+        "transcripts are printed, one line per utterance (speech the speaker goes on with after a breath is "
+        "joined to the line it continues, so a line comes once it is over).",
     )
     p.add_argument("file", type=Path, help="the audio to send: a WAV or FLAC file (stereo is mixed to mono)")
     p.add_argument(

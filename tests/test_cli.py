@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -97,6 +98,8 @@ def test_stream_command_prints_transcripts(clip_by_name) -> None:
         command = [sys.executable, "-m", "duplexd", "stream", str(clip.path), "--url", url, "--speed", "2"]
         run = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=120)
         plain = subprocess.run(command, capture_output=True, text=True, timeout=120)  # stdout is a pipe
+        command[command.index(str(clip.path))] = str(clip_by_name["clip01_jfk.wav"].path)
+        jfk = subprocess.run(command, capture_output=True, text=True, timeout=120)
         command[command.index(url)] = f"ws://127.0.0.1:{port}/"  # the web page, not the stream endpoint
         page = subprocess.run(command, capture_output=True, text=True, timeout=60)
     finally:
@@ -115,6 +118,11 @@ def test_stream_command_prints_transcripts(clip_by_name) -> None:
     lines = plain.stdout.splitlines()
     assert lines and all(lines)
     assert "quilter" in plain.stdout.lower() and "gospel" in plain.stdout.lower()
+    # JFK breathes after "Americans" and "for you": the utterances that go on with a sentence are joined to
+    # its line, their ends repaired ("And so my fellow Americans." | "ask not ..." read as two sentences).
+    assert jfk.returncode == 0, jfk.stderr
+    spoken = [re.sub(r"[^a-z ]", "", line.lower()) for line in jfk.stdout.splitlines()]
+    assert any("americans ask not what your country" in line for line in spoken), jfk.stdout
     assert page.returncode == 1 and "Traceback" not in page.stderr
     assert page.stderr.splitlines() == [
         f"duplexd: error: ws://127.0.0.1:{port}/ answered HTTP 200 instead of opening a WebSocket: it is not the "

@@ -17,7 +17,7 @@ import pytest
 import soundfile as sf
 
 from duplexd.cli import build_parser
-from duplexd.clients.stream import Line, render_event
+from duplexd.clients.stream import Line, Received, StreamOutput
 
 
 def _duplexd(*args: str) -> subprocess.CompletedProcess[str]:
@@ -171,37 +171,40 @@ def test_stream_help_documents_its_arguments_and_the_default_url() -> None:
     assert "--acks" in help_text and "frame.ack" in help_text
 
 
-PARTIAL = {"type": "transcript.partial", "text": "and so my"}
-FINAL = {"type": "transcript.final", "text": "And so, my fellow Americans."}
+PARTIAL = {"type": "transcript.partial", "utterance": 1, "text": "and so my"}
+FINAL = {"type": "transcript.final", "utterance": 1, "text": "And so, my fellow Americans."}
 ACK = {"type": "frame.ack", "seq": 7}
 ERROR = {"type": "error", "code": "overloaded", "message": "try later"}
+
+
+def shown(events: list[dict[str, object]], **how: bool) -> list[Line]:
+    output = StreamOutput(**how)
+    return [line for i, e in enumerate(events) for line in output.show(Received(0.1 * i, e))] + output.close()
 
 
 @pytest.mark.parametrize(
     ("event", "tty", "expected"),
     [
-        (PARTIAL, True, Line("\r\x1b[2K… and so my", end="")),
-        (FINAL, True, Line("\r\x1b[2KAnd so, my fellow Americans.")),
-        (ERROR, True, Line("\nserver error overloaded: try later", stderr=True)),
-        (PARTIAL, False, None),  # a pipe or a file gets the finals only, one per line
-        (FINAL, False, Line("And so, my fellow Americans.")),
-        (ERROR, False, Line("server error overloaded: try later", stderr=True)),
-        (ACK, True, None),
-        (ACK, False, None),
+        (PARTIAL, True, [Line("\r\x1b[2K… and so my", end="")]),
+        (FINAL, True, [Line("\r\x1b[2KAnd so, my fellow Americans.")]),
+        (ERROR, True, [Line("\nserver error overloaded: try later", stderr=True)]),
+        (PARTIAL, False, []),  # a pipe or a file gets the finals only, one per line
+        (FINAL, False, [Line("And so, my fellow Americans.")]),
+        (ERROR, False, [Line("server error overloaded: try later", stderr=True)]),
+        (ACK, True, []),
+        (ACK, False, []),
     ],
 )
 def test_stream_output_has_terminal_escapes_only_on_a_terminal(
-    event: dict[str, object], tty: bool, expected: Line | None
+    event: dict[str, object], tty: bool, expected: list[Line]
 ) -> None:
-    assert render_event(event, json_lines=False, acks=False, tty=tty) == expected
+    assert shown([event], json_lines=False, acks=False, tty=tty) == expected
 
 
 @pytest.mark.parametrize("tty", [True, False])
 def test_stream_json_lines_leave_out_frame_acks_unless_asked(tty: bool) -> None:
-    shown = [render_event(e, json_lines=True, acks=False, tty=tty) for e in (PARTIAL, ACK, FINAL)]
-    assert [line.text if line else None for line in shown] == [
-        '{"type": "transcript.partial", "text": "and so my"}',
-        None,
-        '{"type": "transcript.final", "text": "And so, my fellow Americans."}',
+    assert [line.text for line in shown([PARTIAL, ACK, FINAL], json_lines=True, acks=False, tty=tty)] == [
+        '{"type": "transcript.partial", "utterance": 1, "text": "and so my"}',
+        '{"type": "transcript.final", "utterance": 1, "text": "And so, my fellow Americans."}',
     ]
-    assert render_event(ACK, json_lines=True, acks=True, tty=tty) == Line('{"type": "frame.ack", "seq": 7}')
+    assert shown([ACK], json_lines=True, acks=True, tty=tty) == [Line('{"type": "frame.ack", "seq": 7}')]

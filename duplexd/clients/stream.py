@@ -260,21 +260,82 @@ class Line:
 
 
 _CLEAR = "\r\x1b[2K"  # back to the line's start and erase it: a partial is overwritten by the next one
+_HOLD_S = 2.0  # a final that no speech has followed for this long is no longer continued
 
 
-def render_event(event: dict[str, Any], *, json_lines: bool, acks: bool, tty: bool) -> Line | None:
-    """How `duplexd stream` shows one server event, or None to show nothing. On a terminal a partial
-    transcript is rewritten in place; elsewhere (a pipe, a file) only final transcripts are printed, one per
-    line, with no terminal escapes. With `json_lines` every event is one JSON line, except the `frame.ack`
-    sent for each audio frame unless `acks`."""
-    kind = event.get("type")
-    if json_lines:
-        return None if kind == "frame.ack" and not acks else Line(json.dumps(event))
-    if kind == "transcript.partial":
-        return Line(f"{_CLEAR}… {event['text']}", end="") if tty else None
-    if kind == "transcript.final":
-        return Line(f"{_CLEAR}{event['text']}" if tty else event["text"])
-    if kind == "error":
-        # On a terminal, start a new line: the unfinished partial on stdout would otherwise run into it.
-        return Line(f"{chr(10) if tty else ''}server error {event['code']}: {event['message']}", stderr=True)
-    return None
+class StreamOutput:
+    """How `duplexd stream` shows the server's events. On a terminal the partial transcript is rewritten in
+    place and each final ends its line. Into a pipe or a file: one line per utterance and the ones that
+    continue it, as they read joined (`Sentences`), with no terminal escapes. With `json_lines` every event
+    is one JSON line, except the `frame.ack` sent for each audio frame unless `acks`. Errors go to stderr
+    at once."""
+
+    def __init__(self, *, json_lines: bool, acks: bool, tty: bool, hold_s: float = _HOLD_S) -> None:
+        self._json, self._acks, self._tty = json_lines, acks, tty
+        self._sentences = None if json_lines or tty else Sentences(hold_s)
+
+    def show(self, got: Received) -> list[Line]:
+        event = got.event
+        kind = event.get("type")
+        if self._json:
+            return [] if kind == "frame.ack" and not self._acks else [Line(json.dumps(event))]
+        if kind == "error":
+            # On a terminal, start a new line: the unfinished partial on stdout would otherwise run into it.
+            where = "\n" if self._tty else ""
+            return [Line(f"{where}server error {event['code']}: {event['message']}", stderr=True)]
+        if self._sentences is not None:
+            return [Line(text) for text in self._sentences.feed(got)]
+        if kind == "transcript.partial":
+            return [Line(f"{_CLEAR}… {event['text']}", end="")]
+        if kind == "transcript.final":
+            return [Line(f"{_CLEAR}{event['text']}")]
+        return []
+
+    def close(self) -> list[Line]:
+        """What is still held when the stream ends (whether or not it ended well)."""
+        return [] if self._sentences is None else [Line(text) for text in self._sentences.flush()]
+
+
+class Sentences:
+    """Final transcripts as lines of text, each utterance as it reads joined with the ones that continue
+    it: a final is held until the next one says whether it goes on with it (`continues`, repairing its end
+    with `previous_text`: "And so my fellow Americans" | "ask not ..."), the stream ends, or `hold_s`
+    passes with no speech (the server continues only speech that resumes within `[asr] continue_gap_s`,
+    1 s by default: a final followed by silence is let go soon after)."""
+
+    def __init__(self, hold_s: float = _HOLD_S) -> None:
+        self.hold_s = hold_s
+        self._held: list[tuple[int, str]] = []  # the utterances of the line held, each as it reads last
+        self._quiet_since = 0.0  # when the held final came, or speech last stopped after it
+        self._speaking = False
+        self._later = False  # a later utterance was shown: its final decides
+
+    def feed(self, got: Received) -> list[str]:
+        event, kind = got.event, got.event.get("type")
+        out: list[str] = []
+        held = self._held
+        if kind == "transcript.final":
+            if held and event.get("continues") == held[-1][0]:
+                if "previous_text" in event:
+                    held[-1] = (held[-1][0], event["previous_text"])
+            else:
+                out = self.flush()
+            self._held.append((event["utterance"], event["text"]))
+            self._quiet_since, self._later = got.t, False
+        elif kind == "vad.speech_started":
+            self._speaking = True
+        elif kind == "vad.speech_stopped":
+            self._speaking, self._quiet_since = False, got.t
+        elif kind == "transcript.partial" and held and event["utterance"] > held[-1][0]:
+            self._later = True
+        elif kind == "session.ended":
+            return self.flush()
+        waiting = self._speaking or self._later
+        if self._held and not waiting and got.t - self._quiet_since >= self.hold_s:
+            out += self.flush()
+        return out
+
+    def flush(self) -> list[str]:
+        line = " ".join(text for _, text in self._held if text)  # (an utterance can end with no words)
+        self._held = []
+        return [line] if line else []
