@@ -666,31 +666,20 @@ def test_a_continuation_after_a_sentence_end_the_join_keeps_starts_with_a_capita
     # clip20: "I'm Abigail Klafflin." | "You can call me Abby.": the continuation's window began inside
     # "Abigail", its context was not found, and the words kept by time were decoded mid-sentence ("you can
     # call me Abby."). Where the join takes the sentence end away, the continuation's case is left as read.
-    t, _ = _finalized_at_a_pause()
-    t.speech_stopped(4.4)
-    request = t.prepare_pass()
-    offset_s = request.start_sample / SR
-    words = [("you", 3.3 - offset_s, 3.5 - offset_s), ("can", 3.6 - offset_s, 3.8 - offset_s)]
-    (final,) = t.apply_pass(request, result([*words, ("go.", 3.9 - offset_s, 4.2 - offset_s)]))
-    assert isinstance(final, UtteranceFinalized) and final.previous is None
-    assert texts(final.words) == ["You", "can", "go."]
+    def continued(heard: list[tuple[str, float, float]]) -> UtteranceFinalized:
+        t, _ = _finalized_at_a_pause()
+        t.speech_stopped(4.4)
+        request = t.prepare_pass()
+        (final,) = t.apply_pass(request, at_stream_times(request, heard))
+        assert isinstance(final, UtteranceFinalized) and final.continues == 1
+        return final
 
-    t, _ = _finalized_at_a_pause()
-    t.speech_stopped(4.2)
-    request = t.prepare_pass()
+    final = continued([("you", 3.3, 3.5), ("can", 3.6, 3.8), ("go.", 3.9, 4.2)])
+    assert final.previous is None and texts(final.words) == ["You", "can", "go."]
     said = [("Sunday", 1.7, 2.1), ("is", 2.2, 2.3), ("the", 2.4, 2.5), ("best", 2.6, 3.0)]
-    (final,) = t.apply_pass(request, at_stream_times(request, [*said, ("part", 3.3, 3.6), ("of", 3.7, 3.8)]))
-    assert isinstance(final, UtteranceFinalized) and final.previous is not None
-    assert (texts(final.previous)[-1], texts(final.words)) == ("best", ["part", "of"])
-
-    t, _ = _finalized_at_a_pause()
-    t.speech_stopped(4.2)
-    request = t.prepare_pass()
-    offset_s = request.start_sample / SR
-    (final,) = t.apply_pass(
-        request, result([("I", 3.3 - offset_s, 3.4 - offset_s), ("mean", 3.5 - offset_s, 3.9 - offset_s)])
-    )
-    assert isinstance(final, UtteranceFinalized) and texts(final.words) == ["I", "mean"]
+    final = continued([*said, ("part", 3.3, 3.6), ("of", 3.7, 3.8)])
+    assert final.previous is not None and (texts(final.previous)[-1], texts(final.words)) == ("best", ["part", "of"])
+    assert texts(continued([("I", 3.3, 3.4), ("mean", 3.5, 3.9)]).words) == ["I", "mean"]
 
 
 def test_new_words_that_repeat_the_context_are_not_taken_for_it() -> None:
