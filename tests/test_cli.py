@@ -118,11 +118,14 @@ def test_stream_command_prints_transcripts(clip_by_name) -> None:
     lines = plain.stdout.splitlines()
     assert lines and all(lines)
     assert "quilter" in plain.stdout.lower() and "gospel" in plain.stdout.lower()
-    # JFK breathes after "Americans" and "for you": the utterances that go on with a sentence are joined to
-    # its line, their ends repaired ("And so my fellow Americans." | "ask not ..." read as two sentences).
+    # JFK breathes after "Americans", "ask not" and "for you": the server finalizes three or four utterances
+    # and continues those he goes on with; each is joined to the line it continues, its end repaired (it was
+    # a line of its own: "... can do for you." | "ask what you can do ..."). (Under load the server now and
+    # then decodes "ask not" alone, after a first pass read nothing past its context: then two lines.)
     assert jfk.returncode == 0, jfk.stderr
     spoken = [re.sub(r"[^a-z ]", "", line.lower()) for line in jfk.stdout.splitlines()]
-    assert any("americans ask not what your country" in line for line in spoken), jfk.stdout
+    assert len(spoken) <= 2, jfk.stdout
+    assert "what your country can do for you ask what you can do for your country" in spoken[-1], jfk.stdout
     assert page.returncode == 1 and "Traceback" not in page.stderr
     assert page.stderr.splitlines() == [
         f"duplexd: error: ws://127.0.0.1:{port}/ answered HTTP 200 instead of opening a WebSocket: it is not the "
