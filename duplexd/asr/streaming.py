@@ -30,7 +30,8 @@ _CONTINUE_WITHIN_S = 6.0  # a pause's context is kept this long (speech resumes 
 _ALIGN_SLACK = 3  # words beyond the context's length searched for it at a continuation's head
 _TIME_TOLERANCE_S = 0.1
 _ONSET_SLACK_S = 0.5  # a continuation's context word found again starts at most this long after its onset
-_STALL_S = 1.0  # a continuation none of whose passes read past its context this long after its onset drops it
+_STALL_S = 1.0  # a continuation whose passes read nothing past its context this long after its onset drops it
+_STALL_PASSES = 2  # ... once this many such passes did (one alone stops at a word its window's end cuts: "ask no-")
 _PROMPT_FRAGMENT_WORDS = 1  # a continuation's prompt leaves out its sentence's start this short (`_without_fragment`)
 _SAID_WORDS = 128  # committed words kept for the decoder prompt (it uses at most `prompt_chars` of them)
 _SENTENCE_ENDS = (".", "?", "!")
@@ -63,6 +64,7 @@ class _Resumable:
 
 @dataclass(slots=True)
 class _Next:
+    onset_s: float  # where its speech began (its window starts where the open utterance ends, before it)
     end: int | None
     voiced_end_s: float | None = None
     continues: bool = False  # the same speech resumed after a pause (decode it with the audio before)
@@ -131,6 +133,7 @@ class StreamingTranscriber:
         self._continues: _Resumable | None = None  # the final the open utterance continues
         self._join: Word | None = None  # a continuation's pass found the last context word: as it read there
         self._read_new = False  # a pass of this continuation has read words past its context
+        self._stalled = 0  # its partial passes that heard `_STALL_S` of its speech and read only the context
         self._onset_s = 0.0  # where the open utterance's own speech began (a continuation's window starts before)
         self._committed: list[Word] = []  # of the open utterance, including words trimmed out of the window
         self._last_partial: tuple[tuple[Word, ...], int, int] | None = None
@@ -179,7 +182,7 @@ class StreamingTranscriber:
         elif self._final_end is None:
             pass  # still inside the open utterance (its end of speech was not reported)
         elif self._next is None:
-            self._next = _Next(end=None, continues=continues)  # the open utterance keeps its end; this is next
+            self._next = _Next(t_s, end=None, continues=continues)  # the open utterance keeps its end; this is next
         else:
             # The recognizer is more than one utterance behind: the newest speech extends the queued one, so
             # a session never waits on more than two final passes however fast its pauses come.
@@ -199,14 +202,15 @@ class StreamingTranscriber:
             self._final_end = end
             self._voiced_end_s = voiced_end_s
 
-    def _open(self, start: int, *, continues: bool = False) -> None:
+    def _open(self, start: int, *, continues: bool = False, onset_s: float | None = None) -> None:
         self._active = True
         self._utterance += 1
         self._generation += 1
         self._continues = self._resumable if continues else None
         self._join = None
         self._read_new = False
-        self._onset_s = start / ASR_SAMPLE_RATE
+        self._stalled = 0
+        self._onset_s = start / ASR_SAMPLE_RATE if onset_s is None else max(onset_s, start / ASR_SAMPLE_RATE)
         if self._continues is not None:
             start = max(self._ring.start, min(start, self._continues.start))
             self._agreement = LocalAgreement(self._config.agreement_n)  # (new words are told apart by text)
@@ -327,7 +331,8 @@ class StreamingTranscriber:
             words = self._after_context(words)
             self._read_new = self._read_new or bool(words)
             late = request.end_sample / ASR_SAMPLE_RATE - self._onset_s >= _STALL_S
-            if (failed and request.final) or (not self._read_new and not request.final and late):
+            self._stalled += not self._read_new and not request.final and late
+            if (failed and request.final) or self._stalled >= _STALL_PASSES:
                 self._drop_context()
                 return []
             if failed:
@@ -391,10 +396,9 @@ class StreamingTranscriber:
         self._committed = []
         self._agreement.reset()
         if self._next is not None:  # speech resumed before this final pass: it is the next utterance
-            next_end, next_voiced, continues = self._next.end, self._next.voiced_end_s, self._next.continues
-            self._open(end, continues=continues)
-            self._final_end = next_end
-            self._voiced_end_s = next_voiced
+            queued = self._next
+            self._open(end, continues=queued.continues, onset_s=queued.onset_s)
+            self._final_end, self._voiced_end_s = queued.end, queued.voiced_end_s
         else:
             self._ring.drop_before(self._idle_floor())
         return events

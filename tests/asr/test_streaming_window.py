@@ -808,12 +808,16 @@ def test_a_later_prompt_reads_a_join_as_it_reads_now() -> None:
 
 def test_a_continuation_whose_passes_stop_at_the_context_is_decoded_from_its_onset() -> None:
     # Whisper ends the sentence at the context's last word and reads nothing of the new speech (a talk-over
-    # in another voice after "... best."): past a second of new speech, the utterance is decoded alone.
-    # (A continuation that has read new words keeps its context through a pass that reads none: clip06's
-    # "review." | "of activities" lost its "of" when one pass read only "the".)
+    # in another voice after "... best."): once two passes past a second of new speech did, the utterance is
+    # decoded alone. (A continuation that has read new words keeps its context through a pass that reads
+    # none: clip06's "review." | "of activities" lost its "of" when one pass read only "the".)
     t, _ = _finalized_at_a_pause()
     request = t.prepare_pass()  # (its new speech from 3.2 s, 1.1 s of it fed)
     assert request.start_sample < int(3.2 * SR)  # (the continuation's window: from "Sunday")
+    assert t.apply_pass(request, at_stream_times(request, CONTEXT)) == []
+    feed(t, 0.3)
+    request = t.prepare_pass()  # (one such pass is no stall: below)
+    assert request.start_sample < int(3.2 * SR)
     assert t.apply_pass(request, at_stream_times(request, CONTEXT)) == []
     request = t.prepare_pass()  # at once: the new speech from the end of "best." (3.0 s), no context
     assert request.start_sample == int(3.0 * SR) and not request.final
@@ -823,6 +827,44 @@ def test_a_continuation_whose_passes_stop_at_the_context_is_decoded_from_its_ons
     t.speech_stopped(t.samples / SR)
     (final,) = t.apply_pass(t.prepare_pass(), result([("Stop", 0.6, 0.9), ("please.", 1.0, 1.4)]))
     assert isinstance(final, UtteranceFinalized) and final.continues is None  # (no join with the words before)
+
+
+def test_one_pass_that_stops_at_the_context_keeps_it_for_the_final() -> None:
+    # Measured (JFK replayed at a slow pass clock, as under load): "my fellow Americans." | "ask not": the
+    # continuation's first pass came 1.0 s after its onset and read "my fellow Americans", "ask no-" cut by
+    # the window's end; dropping the context then, the final read "Ask not!" alone. With it, "ask not...".
+    t, first = _finalized_at_a_pause()
+    request = t.prepare_pass()
+    assert t.apply_pass(request, at_stream_times(request, CONTEXT)) == []
+    t.speech_stopped(t.samples / SR)
+    final = t.prepare_pass()
+    assert final.final and final.start_sample == request.start_sample  # (still with its context)
+    (done,) = t.apply_pass(final, at_stream_times(final, [*CONTEXT[:-1], ("best", 2.6, 3.0), ("part", 3.3, 3.6)]))
+    assert isinstance(done, UtteranceFinalized) and done.continues == first.utterance
+    assert texts(done.words) == ["part"] and done.previous is not None and texts(done.previous)[-1] == "best"
+
+
+def test_a_continuation_queued_behind_a_final_pass_is_late_from_its_own_onset() -> None:
+    # Speech that resumes while the final pass of the words before is out is opened when that pass comes
+    # back, at their end (3.2 s); its passes are late (`_STALL_S`) from where its speech began (3.8 s).
+    t = StreamingTranscriber(AsrConfig())
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    feed(t, 2.2)
+    t.speech_stopped(3.2, voiced_end_s=3.05)
+    final = t.prepare_pass()
+    feed(t, 0.6)
+    t.speech_started(3.8, continues=True)
+    feed(t, 0.7)
+    (done,) = t.apply_pass(final, result(SUNDAY))
+    assert isinstance(done, UtteranceFinalized)
+    starts = []
+    for _ in range(2):  # (ending 0.7 s, then 1.0 s, after its onset: the second one only is late)
+        request = t.prepare_pass()
+        starts.append(request.start_sample)
+        assert t.apply_pass(request, at_stream_times(request, CONTEXT)) == []
+        feed(t, 0.3)
+    assert t.prepare_pass().start_sample == starts[0] == int(1.6 * SR)  # (with its context still)
 
 
 def test_a_continuation_that_read_new_words_keeps_its_context_through_a_pass_that_reads_none() -> None:
