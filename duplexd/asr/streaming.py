@@ -329,10 +329,14 @@ class StreamingTranscriber:
             # "review.", mid-way into the short "of", and the final read "activities they're under.")
             failed = not words
             words = self._after_context(words)
+            # (A final that reads the context and stops there is run again alone too where its new speech had
+            # words: a pass read some, or stopped at the context with a second of speech in its window. Else
+            # the new speech was a breath or a cough, and the final has no words.)
+            lost = self._ends_utterance(request) and not words and (self._read_new or self._stalled > 0)
             self._read_new = self._read_new or bool(words)
             late = request.end_sample / ASR_SAMPLE_RATE - self._onset_s >= _STALL_S
             self._stalled += not self._read_new and not request.final and late
-            if (failed and request.final) or self._stalled >= _STALL_PASSES:
+            if (failed and request.final) or lost or self._stalled >= _STALL_PASSES:
                 self._drop_context()
                 return []
             if failed:
@@ -343,20 +347,22 @@ class StreamingTranscriber:
         last = result.segments[-1] if result.segments else None
         # (an engine that reports no probabilities is taken at its word)
         self._edge_probability = last.probabilities[-1] if last is not None and last.probabilities else 1.0
-        # A pass already covering everything up to the end of speech is as good as the final pass (the rest
-        # of the audio is silence): end the utterance now instead of running one more ~1 s pass.
-        # (Not a preview's: its words are the ones the final decides again.)
-        covered = (
+        if self._ends_utterance(request):
+            return self._finalize(self._final_words(request, words, [*newly, *self._agreement.commit_all()]))
+        self._committed.extend(newly)
+        self._trim(request, result)
+        return self._partial()
+
+    def _ends_utterance(self, request: PassRequest) -> bool:
+        """The final pass, or one already covering everything up to the end of speech: as good as the final
+        (the rest of the audio is silence), so the utterance ends now instead of after one more ~1 s pass.
+        (Not a preview: its words are the ones the final decides again.)"""
+        return request.final or (
             self._final_end is not None
             and self._next is None
             and request.end_sample >= self._final_end
             and not request.preview
         )
-        if request.final or covered:
-            return self._finalize(self._final_words(request, words, [*newly, *self._agreement.commit_all()]))
-        self._committed.extend(newly)
-        self._trim(request, result)
-        return self._partial()
 
     def _final_words(self, request: PassRequest, heard: list[Word], agreed: list[Word]) -> list[Word]:
         """The words the final pass adds (`agreed`: those LocalAgreement left open), or, with

@@ -919,6 +919,40 @@ def test_a_continuation_pass_that_reads_nothing_at_all_failed_and_the_final_is_d
     assert isinstance(done, UtteranceFinalized) and texts(done.words) == ["part", "of", "it."]
 
 
+def test_a_continuation_final_that_stops_at_the_context_after_new_words_were_read_is_decoded_again_alone() -> None:
+    # A pass read "part" past "... best."; the final pass read "Sunday is the best." and stopped there (as
+    # Whisper ends a sentence it takes for whole): taken as it read, "part of it" would be in no final.
+    t, _ = _finalized_at_a_pause()
+    request = t.prepare_pass()
+    (shown,) = t.apply_pass(request, at_stream_times(request, [*CONTEXT, ("part", 3.3, 3.6)]))
+    assert isinstance(shown, TranscriptUpdated) and texts(shown.words) == ["part"]
+    t.speech_stopped(t.samples / SR)
+    final = t.prepare_pass()
+    assert final.final and t.apply_pass(final, at_stream_times(final, CONTEXT)) == []
+    again = t.prepare_pass()
+    assert again.final and again.start_sample == int(3.0 * SR)  # (from the end of "best.")
+    (done,) = t.apply_pass(again, result([("part", 0.3, 0.6), ("of", 0.7, 0.8), ("it.", 0.9, 1.1)]))
+    assert isinstance(done, UtteranceFinalized) and texts(done.words) == ["part", "of", "it."]
+
+
+def test_a_continuation_final_that_reads_only_the_context_of_a_breath_has_no_words() -> None:
+    # Speech resumed for 0.3 s (a breath, a cough) and no pass read a word of it: the final reads the context
+    # alone, and that is the answer (decoded alone, Whisper would make words up from a cough).
+    t = StreamingTranscriber(AsrConfig())
+    feed(t, 1.0)
+    t.speech_started(1.0)
+    feed(t, 2.2)
+    t.speech_stopped(3.2, voiced_end_s=3.05)
+    (done,) = t.apply_pass(t.prepare_pass(), result(SUNDAY))
+    feed(t, 0.1)
+    t.speech_started(3.3, continues=True)
+    feed(t, 0.3)
+    t.speech_stopped(3.6)
+    final = t.prepare_pass()
+    assert final.final and t.apply_pass(final, at_stream_times(final, CONTEXT)) == []
+    assert not t.active and not t.wants_pass()
+
+
 def test_an_utterance_shown_in_a_partial_is_always_closed_by_a_final_if_with_no_words() -> None:
     t = _open_at_1s()
     (shown,) = t.apply_pass(t.prepare_pass(), result([("um", 0.1, 0.3)]))
