@@ -92,6 +92,32 @@ def test_a_sentence_said_with_breaths_longer_than_vads_hangover_reads_as_one(eng
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("factor", "shift_s"), [(2.5, 0.07), (3.0, 0.03)])
+def test_a_sentence_said_with_breaths_reads_as_one_when_passes_are_slow(engines, clip_by_name, factor, shift_s) -> None:
+    # Passes 2.5-3x as slow as on an idle 2-core machine (as under load): the continuation after
+    # "Americans" had one pass 1.0 s into its speech, which read the context and stopped at the cut "ask
+    # no-"; that one pass dropped the context, and the final read "Ask not!" alone.
+    from duplexd.asr.vad import SileroVad
+    from duplexd.bench.asr_replay import replay
+    from duplexd.bench.asr_sweep import pass_clock
+    from duplexd.clients.stream import read_audio
+    from duplexd.streaming.session import SessionConfig
+
+    pcm, _ = read_audio(clip_by_name["clip01_jfk.wav"].path)
+    r = replay(
+        np.concatenate([pcm, np.zeros(16_000, np.int16)]),
+        engines.asr,
+        SileroVad(),
+        SessionConfig(),
+        pass_clock(factor, shift_s),
+    )
+    finals = [f for _, f in r.finals]
+    assert len(finals) >= 3 and all(f.continues == finals[i].utterance for i, f in enumerate(finals[1:]))
+    assert not any("!" in w.text for f in finals for w in f.words)
+    assert _plain(r.text) == _plain(clip_by_name["clip01_jfk.wav"].text or "")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("clock", [(0.5, 0.06), (0.37, 0.047)])
 @pytest.mark.parametrize(("pause_s", "continue_gap_s"), [(0.4, 0.0), (0.6, 1.0)])
 def test_a_sentence_resumed_after_a_pause_does_not_read_as_a_title(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,16 @@ from duplexd.bench.data import wer
 FIXED_S, PER_S, PREVIEW_FIXED_S = 0.45, 0.055, 0.11
 FACTORS = (1.5, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5)
 SHIFTS = (0.0, 0.03, 0.07, 0.1, 0.15)
+
+
+def pass_clock(factor: float, shift_s: float) -> Callable[[float, float, bool], float]:
+    """How long a pass takes in stream time (`bench.asr_replay.replay`'s `pass_s`) at one sweep clock."""
+    full, preview = FIXED_S * factor + shift_s, PREVIEW_FIXED_S * factor + shift_s / 3
+
+    def cost(window_s: float, _wall: float, is_preview: bool) -> float:
+        return (preview if is_preview else full) + PER_S * factor * window_s
+
+    return cost
 
 
 def run(names: list[str], factors: tuple[float, ...], shifts: tuple[float, ...]) -> dict[str, Any]:
@@ -58,13 +69,8 @@ def run(names: list[str], factors: tuple[float, ...], shifts: tuple[float, ...])
             words = len(clip.text.split())
             for factor in factors:
                 for shift in shifts:
-                    full, preview = FIXED_S * factor + shift, PREVIEW_FIXED_S * factor + shift / 3
-
-                    def cost(window_s: float, _wall: float, is_preview: bool, f=full, p=preview, k=factor) -> float:
-                        return (p if is_preview else f) + PER_S * k * window_s
-
                     drops[0] = 0
-                    r = replay(pcm, engine, vad, session, cost)
+                    r = replay(pcm, engine, vad, session, pass_clock(factor, shift))
                     finals = [" ".join(w.text for w in f.words) for _, f in r.finals]
                     errors = round(wer([clip.text], [r.text]) * words)
                     runs.append(
