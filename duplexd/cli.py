@@ -436,9 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
         "stream",
         help="stream an audio file to a server and print transcripts",
         description="Send an audio file to a running `duplexd serve` at real-time pace and print its transcript. "
-        "On a terminal the partial transcript is rewritten in place; into a pipe or a file only final "
-        "transcripts are printed, one line per utterance (speech the speaker goes on with after a breath is "
-        "joined to the line it continues, so a line comes once it is over).",
+        "It prints one line per utterance; speech the speaker goes on with after a breath is joined to the "
+        "line it continues. On a terminal the line in progress, with the partial transcript, is rewritten in "
+        "place; into a pipe or a file only final transcripts are printed, each line once it is over.",
     )
     p.add_argument("file", type=Path, help="the audio to send: a WAV or FLAC file (stereo is mixed to mono)")
     p.add_argument(

@@ -177,6 +177,9 @@ ACK = {"type": "frame.ack", "seq": 7}
 ERROR = {"type": "error", "code": "overloaded", "message": "try later"}
 
 
+TTY = {"json_lines": False, "acks": False, "tty": True, "width": 200}
+
+
 def shown(events: list[dict[str, object]], **how: bool) -> list[Line]:
     output = StreamOutput(**how)
     return [line for i, e in enumerate(events) for line in output.show(Received(0.1 * i, e))] + output.close()
@@ -185,8 +188,14 @@ def shown(events: list[dict[str, object]], **how: bool) -> list[Line]:
 @pytest.mark.parametrize(
     ("event", "tty", "expected"),
     [
-        (PARTIAL, True, [Line("\r\x1b[2K… and so my", end="")]),
-        (FINAL, True, [Line("\r\x1b[2KAnd so, my fellow Americans.")]),
+        (PARTIAL, True, [Line("\r\x1b[2K… and so my", end=""), Line("")]),
+        # (on a terminal a final stays in the line in progress until it is known whether speech goes on
+        # with it; the stream's end finishes the line)
+        (
+            FINAL,
+            True,
+            [Line("\r\x1b[2KAnd so, my fellow Americans.", end=""), Line("\r\x1b[2KAnd so, my fellow Americans.")],
+        ),
         (ERROR, True, [Line("\nserver error overloaded: try later", stderr=True)]),
         (PARTIAL, False, []),  # a pipe or a file gets the finals only, one per line
         (FINAL, False, [Line("And so, my fellow Americans.")]),
@@ -199,6 +208,43 @@ def test_stream_output_has_terminal_escapes_only_on_a_terminal(
     event: dict[str, object], tty: bool, expected: list[Line]
 ) -> None:
     assert shown([event], json_lines=False, acks=False, tty=tty) == expected
+
+
+def test_a_terminal_rewrites_one_line_for_an_utterance_and_the_ones_that_continue_it() -> None:
+    # JFK, its pauses breaths: the line in progress holds the finals so far (their ends repaired as they
+    # read joined) and then the newest partial; it ends once speech does not go on with it.
+    events = [
+        {"type": "transcript.partial", "utterance": 1, "text": "And so my"},
+        {"type": "transcript.final", "utterance": 1, "text": "And so my fellow Americans."},
+        {"type": "transcript.partial", "utterance": 2, "text": "ask not"},
+        {
+            "type": "transcript.final",
+            "utterance": 2,
+            "text": "ask not.",
+            "continues": 1,
+            "previous_text": "And so my fellow Americans",
+        },
+        {"type": "transcript.final", "utterance": 3, "text": "Thank you."},
+    ]
+    assert [(line.text.removeprefix("\r\x1b[2K"), line.end) for line in shown(events, **TTY)] == [
+        ("… And so my", ""),
+        ("And so my fellow Americans.", ""),
+        ("And so my fellow Americans. … ask not", ""),
+        ("And so my fellow Americans ask not.", ""),
+        ("And so my fellow Americans ask not.", "\n"),  # (utterance 3 does not continue it: the line is done)
+        ("Thank you.", ""),
+        ("Thank you.", "\n"),  # (the stream's end)
+    ]
+
+
+def test_a_terminal_shows_the_newest_end_of_a_line_in_progress_wider_than_itself() -> None:
+    # (a line that wraps cannot be rewritten in place: the escape clears only the terminal's last row)
+    output = StreamOutput(**(TTY | {"width": 20}))
+    (line,) = output.show(
+        Received(0.0, {"type": "transcript.partial", "utterance": 1, "text": "a b c d e f g h i j k"})
+    )
+    assert line == Line("\r\x1b[2K… c d e f g h i j k", end="")  # (19 columns)
+    assert output.close() == [Line("")]  # (the stream ended on a partial: the prompt starts on a line of its own)
 
 
 @pytest.mark.parametrize("tty", [True, False])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -264,15 +265,20 @@ _HOLD_S = 2.0  # a final that no speech has followed for this long is no longer 
 
 
 class StreamOutput:
-    """How `duplexd stream` shows the server's events. On a terminal the partial transcript is rewritten in
-    place and each final ends its line. Into a pipe or a file: one line per utterance and the ones that
-    continue it, as they read joined (`Sentences`), with no terminal escapes. With `json_lines` every event
+    """How `duplexd stream` shows the server's events: one line per utterance and the ones that continue
+    it, as they read joined (`Sentences`). On a terminal the line in progress (those utterances, then the
+    newest partial transcript) is rewritten in place, its newest end where it is wider than the terminal;
+    into a pipe or a file only the finished lines, with no terminal escapes. With `json_lines` every event
     is one JSON line, except the `frame.ack` sent for each audio frame unless `acks`. Errors go to stderr
     at once."""
 
-    def __init__(self, *, json_lines: bool, acks: bool, tty: bool, hold_s: float = _HOLD_S) -> None:
+    def __init__(
+        self, *, json_lines: bool, acks: bool, tty: bool, hold_s: float = _HOLD_S, width: int | None = None
+    ) -> None:
         self._json, self._acks, self._tty = json_lines, acks, tty
-        self._sentences = None if json_lines or tty else Sentences(hold_s)
+        self._sentences = Sentences(hold_s)
+        self._partial: tuple[int, str] | None = None  # (utterance, text): the newest partial not yet final
+        self._width = width  # the terminal's columns (None: asked at each line)
 
     def show(self, got: Received) -> list[Line]:
         event = got.event
@@ -280,20 +286,39 @@ class StreamOutput:
         if self._json:
             return [] if kind == "frame.ack" and not self._acks else [Line(json.dumps(event))]
         if kind == "error":
-            # On a terminal, start a new line: the unfinished partial on stdout would otherwise run into it.
+            # On a terminal, start a new line: the line in progress on stdout would otherwise run into it.
             where = "\n" if self._tty else ""
             return [Line(f"{where}server error {event['code']}: {event['message']}", stderr=True)]
-        if self._sentences is not None:
-            return [Line(text) for text in self._sentences.feed(got)]
+        done = self._sentences.feed(got)
+        if not self._tty:
+            return [Line(text) for text in done]
         if kind == "transcript.partial":
-            return [Line(f"{_CLEAR}… {event['text']}", end="")]
-        if kind == "transcript.final":
-            return [Line(f"{_CLEAR}{event['text']}")]
-        return []
+            self._partial = (event["utterance"], event["text"])
+        elif kind == "transcript.final" and self._partial is not None and self._partial[0] <= event["utterance"]:
+            self._partial = None
+        lines = [Line(f"{_CLEAR}{text}") for text in done]
+        if done or kind in ("transcript.partial", "transcript.final"):
+            lines += self._in_progress()
+        return lines
 
     def close(self) -> list[Line]:
         """What is still held when the stream ends (whether or not it ended well)."""
-        return [] if self._sentences is None else [Line(text) for text in self._sentences.flush()]
+        if self._json:
+            return []
+        lines = [Line(f"{_CLEAR}{text}" if self._tty else text) for text in self._sentences.flush()]
+        if self._tty and not lines and self._partial is not None:
+            lines = [Line("")]  # (the line in progress ends where it is)
+        return lines
+
+    def _in_progress(self) -> list[Line]:
+        held, partial = self._sentences.held, self._partial[1] if self._partial is not None else ""
+        text = " ".join(t for t in (held, f"… {partial}" if partial else "") if t)
+        if not text:
+            return []
+        width = self._width or shutil.get_terminal_size().columns
+        if len(text) >= width:  # (a line that wraps is not rewritten in place: its newest end is shown)
+            text = "…" + text[len(text) - width + 2 :]
+        return [Line(f"{_CLEAR}{text}", end="")]
 
 
 class Sentences:
@@ -335,7 +360,12 @@ class Sentences:
             out += self.flush()
         return out
 
+    @property
+    def held(self) -> str:
+        """The line held so far (it may go on)."""
+        return " ".join(text for _, text in self._held if text)  # (an utterance can end with no words)
+
     def flush(self) -> list[str]:
-        line = " ".join(text for _, text in self._held if text)  # (an utterance can end with no words)
+        line = self.held
         self._held = []
         return [line] if line else []
