@@ -460,6 +460,10 @@ class StreamingTranscriber:
             # dropped)
             found = matched >= len(context) - 1 or respelled > 0
             if found and words[cut - 1].start_s <= self._onset_s + _ONSET_SLACK_S:
+                if matched < len(context) and not respelled and cut < len(words) and words[cut].end_s <= self._onset_s:
+                    # The context's last word read again another way: its audio ended before the new speech
+                    # began ("1813, eight." | "1813, 8 the press yard": "8" is "eight", not a new word).
+                    matched, cut = matched + 1, cut + 1
                 if matched == len(context):
                     self._join = words[cut - 1]
                 return words[cut:]

@@ -737,6 +737,30 @@ def test_context_words_heard_again_but_spelled_another_way_are_not_said_twice(
     assert texts(final.words) == ["We", "are"]
 
 
+@pytest.mark.parametrize(
+    ("again", "new"),
+    [
+        ([("8", 1.6, 2.0)], "the"),  # the context's last word read again another way, before the new speech
+        ([], "The"),  # not read again: new words after the context (a sentence after "eight.", see above)
+    ],
+)
+def test_the_contexts_last_word_read_again_another_way_is_not_a_new_word(
+    again: list[tuple[str, float, float]], new: str
+) -> None:
+    # clip07 then clip08 (bench peer): "in 1813, eight." | "the press yard": the continuation's pass read
+    # "1813, 8 the press yard", and "8" was taken for a new word: "eight. 8 the press yard".
+    said = [("in", 0.1, 0.3), ("1813,", 0.5, 1.5), ("eight.", 1.6, 1.9)]
+    t = _continued_after(said)  # (the new speech from 3.2 s)
+    request = t.prepare_pass()
+    offset_s = request.start_sample / SR
+    heard = [("1813,", 1.5, 2.5), *((w, a + 1.0, b + 1.0) for w, a, b in again)]
+    heard += [("the", 3.3, 3.4), ("press", 3.4, 3.7), ("yard.", 3.7, 4.1)]
+    (final,) = t.apply_pass(request, result([(w, a - offset_s, b - offset_s) for w, a, b in heard]))
+    assert isinstance(final, UtteranceFinalized)
+    assert texts(final.words) == [new, "press", "yard."]
+    assert texts(final.previous or ()) == (["in", "1813,", "8"] if again else [])  # (as it reads joined)
+
+
 def test_a_new_word_that_only_begins_like_the_context_is_new() -> None:
     said = [("the", 0.1, 0.3), ("seat", 0.4, 0.8)]
     t = _continued_after(said)
