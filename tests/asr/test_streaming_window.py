@@ -596,14 +596,20 @@ SUNDAY += [("best.", 1.6, 2.0)]
 CONTEXT = [(w, a + 1.0, b + 1.0) for w, a, b in SUNDAY[2:]]  # "Sunday is the best." at stream times
 
 
-def _finalized_at_a_pause() -> tuple[StreamingTranscriber, UtteranceFinalized]:
-    """ "I said Sunday is the best." said from 1.1 s to 3.0 s, finalized at the pause at 3.2 s; the speaker
-    goes on at 3.3 s."""
+def _sunday_said() -> StreamingTranscriber:
+    """ "I said Sunday is the best." said from 1.1 s to 3.0 s, its end of speech at the pause at 3.2 s."""
     t = StreamingTranscriber(AsrConfig())
     feed(t, 1.0)
     t.speech_started(1.0)
     feed(t, 2.2)
     t.speech_stopped(3.2, voiced_end_s=3.05)
+    return t
+
+
+def _finalized_at_a_pause() -> tuple[StreamingTranscriber, UtteranceFinalized]:
+    """ "I said Sunday is the best." said from 1.1 s to 3.0 s, finalized at the pause at 3.2 s; the speaker
+    goes on at 3.3 s."""
+    t = _sunday_said()
     (done,) = t.apply_pass(t.prepare_pass(), result(SUNDAY))
     assert isinstance(done, UtteranceFinalized) and done.continues is None
     feed(t, 0.1)
@@ -871,11 +877,7 @@ def test_one_pass_that_stops_at_the_context_keeps_it_for_the_final() -> None:
 def test_a_continuation_queued_behind_a_final_pass_is_late_from_its_own_onset() -> None:
     # Speech that resumes while the final pass of the words before is out is opened when that pass comes
     # back, at their end (3.2 s); its passes are late (`_STALL_S`) from where its speech began (3.8 s).
-    t = StreamingTranscriber(AsrConfig())
-    feed(t, 1.0)
-    t.speech_started(1.0)
-    feed(t, 2.2)
-    t.speech_stopped(3.2, voiced_end_s=3.05)
+    t = _sunday_said()
     final = t.prepare_pass()
     feed(t, 0.6)
     t.speech_started(3.8, continues=True)
@@ -962,11 +964,7 @@ def test_a_continuation_final_that_stops_at_the_context_after_new_words_were_rea
 def test_a_continuation_final_that_reads_only_the_context_of_a_breath_has_no_words() -> None:
     # Speech resumed for 0.3 s (a breath, a cough) and no pass read a word of it: the final reads the context
     # alone, and that is the answer (decoded alone, Whisper would make words up from a cough).
-    t = StreamingTranscriber(AsrConfig())
-    feed(t, 1.0)
-    t.speech_started(1.0)
-    feed(t, 2.2)
-    t.speech_stopped(3.2, voiced_end_s=3.05)
+    t = _sunday_said()
     (done,) = t.apply_pass(t.prepare_pass(), result(SUNDAY))
     feed(t, 0.1)
     t.speech_started(3.3, continues=True)
