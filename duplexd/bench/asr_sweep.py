@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from duplexd.bench import write_result
-from duplexd.bench.data import wer
+from duplexd.bench.data import as_said, edit_distance
 
 FIXED_S, PER_S, PREVIEW_FIXED_S = 0.45, 0.055, 0.11
 FACTORS = (1.5, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5)
@@ -66,13 +66,13 @@ def run(names: list[str], factors: tuple[float, ...], shifts: tuple[float, ...])
     try:
         for clip in clips:
             pcm = np.concatenate([read_audio(clip.path)[0], np.zeros(16_000, np.int16)])
-            words = len(clip.text.split())
+            reference = as_said(clip.text)
             for factor in factors:
                 for shift in shifts:
                     drops[0] = 0
                     r = replay(pcm, engine, vad, session, pass_clock(factor, shift))
                     finals = [" ".join(w.text for w in f.words) for _, f in r.finals]
-                    errors = round(wer([clip.text], [r.text]) * words)
+                    errors = edit_distance(reference, as_said(r.text))
                     runs.append(
                         {"clip": clip.path.name, "factor": factor, "shift_s": shift, "errors": errors}
                         | {"context_drops": drops[0], "finals": finals}
