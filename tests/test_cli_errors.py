@@ -180,7 +180,7 @@ ERROR = {"type": "error", "code": "overloaded", "message": "try later"}
 TTY = {"json_lines": False, "acks": False, "tty": True, "width": 200}
 
 
-def shown(events: list[dict[str, object]], **how: bool) -> list[Line]:
+def shown(events: list[dict[str, object]], **how: bool | int) -> list[Line]:
     output = StreamOutput(**how)
     return [line for i, e in enumerate(events) for line in output.show(Received(0.1 * i, e))] + output.close()
 
