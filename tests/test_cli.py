@@ -120,8 +120,8 @@ def test_stream_command_prints_transcripts(clip_by_name) -> None:
     assert "quilter" in plain.stdout.lower() and "gospel" in plain.stdout.lower()
     # JFK breathes after "Americans", "ask not" and "for you": the server finalizes three or four utterances
     # and continues those he goes on with; each is joined to the line it continues, its end repaired (it was
-    # a line of its own: "... can do for you." | "ask what you can do ..."). (Under load the server now and
-    # then decodes "ask not" alone, after a first pass read nothing past its context: then two lines.)
+    # a line of its own: "... can do for you." | "ask what you can do ..."). (Under load a continuation two
+    # of whose passes read nothing past its context is decoded alone, "ask not" too: then two lines.)
     assert jfk.returncode == 0, jfk.stderr
     spoken = [re.sub(r"[^a-z ]", "", line.lower()) for line in jfk.stdout.splitlines()]
     assert len(spoken) <= 2, jfk.stdout
