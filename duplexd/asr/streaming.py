@@ -139,6 +139,7 @@ class StreamingTranscriber:
         self._last_partial: tuple[tuple[Word, ...], int, int] | None = None
         self._in_flight = False
         self._behind = False  # the ring overflowed and no pass has come back since
+        self.context_drops = 0  # continuations decoded alone from their stall on (`_drop_context`)
 
     # -- audio and VAD -------------------------------------------------------------------------------
 
@@ -428,6 +429,7 @@ class StreamingTranscriber:
         on it is an utterance of its own, decoded from the end of the context's last word (or of its own
         committed words, or its onset less the preroll, whichever is latest). A final pass is run again."""
         assert self._continues is not None
+        self.context_drops += 1
         onset = int(self._onset_s * ASR_SAMPLE_RATE) - int(self._config.preroll_s * ASR_SAMPLE_RATE)
         context_end = int(self._continues.context[-1].end_s * ASR_SAMPLE_RATE)
         committed_end = int(self._committed[-1].end_s * ASR_SAMPLE_RATE) if self._committed else 0

@@ -39,6 +39,7 @@ class Replayed:
     finals: list[tuple[float, UtteranceFinalized]] = field(default_factory=list)
     passes: int = 0
     busy_s: float = 0.0
+    context_drops: int = 0  # continuations the recognizer went on to decode alone
     costs: list[tuple[float, float, bool]] = field(default_factory=list)  # (window s, wall s, preview) per pass
 
     @property
@@ -120,6 +121,7 @@ def replay(
             t = max(t, due[0][0])
         elif not session.wants_pass():
             record(t, session.finish_without_pass())
+    out.context_drops = session.transcriber.context_drops
     return out
 
 

@@ -40,7 +40,6 @@ def pass_clock(factor: float, shift_s: float) -> Callable[[float, float, bool], 
 
 
 def run(names: list[str], factors: tuple[float, ...], shifts: tuple[float, ...]) -> dict[str, Any]:
-    from duplexd.asr import streaming
     from duplexd.asr.engine import FasterWhisperEngine
     from duplexd.asr.vad import SileroVad
     from duplexd.bench.asr_replay import replay
@@ -53,37 +52,25 @@ def run(names: list[str], factors: tuple[float, ...], shifts: tuple[float, ...])
     vad, engine = SileroVad(), FasterWhisperEngine(config.asr)
     session = SessionConfig(vad=config.vad, asr=config.asr, pause_ms=config.turn.pause_ms)
     clips = [c for c in load_clips() if c.text and (not names or any(n in c.path.name for n in names))]
-    drops = [0]
-    drop_context = streaming.StreamingTranscriber._drop_context
-
-    def counted(self: streaming.StreamingTranscriber) -> None:
-        drops[0] += 1
-        drop_context(self)
-
-    streaming.StreamingTranscriber._drop_context = counted  # type: ignore[method-assign]
     runs: list[dict[str, Any]] = []
     totals: Counter[str] = Counter()
-    try:
-        for clip in clips:
-            pcm = np.concatenate([read_audio(clip.path)[0], np.zeros(16_000, np.int16)])
-            reference = as_said(clip.text)
-            for factor in factors:
-                for shift in shifts:
-                    drops[0] = 0
-                    r = replay(pcm, engine, vad, session, pass_clock(factor, shift))
-                    finals = [" ".join(w.text for w in f.words) for _, f in r.finals]
-                    errors = edit_distance(reference, as_said(r.text))
-                    runs.append(
-                        {"clip": clip.path.name, "factor": factor, "shift_s": shift, "errors": errors}
-                        | {"context_drops": drops[0], "finals": finals}
-                    )
-                    totals["runs"] += 1
-                    totals["errors"] += errors
-                    totals["context_drops"] += drops[0]
-                    totals["finals_with_bang"] += sum("!" in f for f in finals)
-                    print(f"{clip.path.name} x{factor} +{shift}: {errors} errors | " + " || ".join(finals), flush=True)
-    finally:
-        streaming.StreamingTranscriber._drop_context = drop_context  # type: ignore[method-assign]
+    for clip in clips:
+        pcm = np.concatenate([read_audio(clip.path)[0], np.zeros(16_000, np.int16)])
+        reference = as_said(clip.text)
+        for factor in factors:
+            for shift in shifts:
+                r = replay(pcm, engine, vad, session, pass_clock(factor, shift))
+                finals = [" ".join(w.text for w in f.words) for _, f in r.finals]
+                errors = edit_distance(reference, as_said(r.text))
+                runs.append(
+                    {"clip": clip.path.name, "factor": factor, "shift_s": shift, "errors": errors}
+                    | {"context_drops": r.context_drops, "finals": finals}
+                )
+                totals["runs"] += 1
+                totals["errors"] += errors
+                totals["context_drops"] += r.context_drops
+                totals["finals_with_bang"] += sum("!" in f for f in finals)
+                print(f"{clip.path.name} x{factor} +{shift}: {errors} errors | " + " || ".join(finals), flush=True)
     return {"model": engine.name, "factors": factors, "shifts_s": shifts, "totals": dict(totals), "runs": runs}
 
 

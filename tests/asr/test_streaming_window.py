@@ -851,6 +851,7 @@ def test_a_continuation_whose_passes_stop_at_the_context_is_decoded_from_its_ons
     assert t.apply_pass(request, at_stream_times(request, CONTEXT)) == []
     request = t.prepare_pass()  # at once: the new speech from the end of "best." (3.0 s), no context
     assert request.start_sample == int(3.0 * SR) and not request.final
+    assert t.context_drops == 1  # (counted: `bench.asr_sweep` reports how often)
     events = t.apply_pass(request, result([("Stop", 0.6, 0.9), ("please.", 1.0, 1.4)]))
     (update,) = events
     assert isinstance(update, TranscriptUpdated) and texts(update.words) == ["Stop", "please."]
@@ -869,6 +870,7 @@ def test_one_pass_that_stops_at_the_context_keeps_it_for_the_final() -> None:
     t.speech_stopped(t.samples / SR)
     final = t.prepare_pass()
     assert final.final and final.start_sample == request.start_sample  # (still with its context)
+    assert t.context_drops == 0
     (done,) = t.apply_pass(final, at_stream_times(final, [*CONTEXT[:-1], ("best", 2.6, 3.0), ("part", 3.3, 3.6)]))
     assert isinstance(done, UtteranceFinalized) and done.continues == first.utterance
     assert texts(done.words) == ["part"] and done.previous is not None and texts(done.previous)[-1] == "best"
