@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from duplexd.bench.data import wer
-from duplexd.bench.latency import Final, rejoined, withdrawn_words
+from duplexd.bench.latency import rejoined, withdrawn_words
+from duplexd.clients.stream import Final
 from duplexd.events import Word
 
 
@@ -38,13 +39,13 @@ def _words(text: str) -> list[Word]:
 
 def test_a_join_reads_right_when_its_sentence_end_matches_the_offline_transcript() -> None:
     offline = _words("Sunday is the best part of the week. Really.")
-    repaired = [Final(1, ["Sunday", "is", "the", "best."]), Final(2, ["part", "of", "the", "week."], 1, ["best"])]
+    repaired = [Final(1, "Sunday is the best."), Final(2, "part of the week.", 1, "Sunday is the best")]
     assert rejoined(repaired, offline) == (1, 1)
-    unrepaired = [Final(1, ["Sunday", "is", "the", "best."]), Final(2, ["part", "of", "the", "week."], 1)]
+    unrepaired = [Final(1, "Sunday is the best."), Final(2, "part of the week.", 1)]
     assert rejoined(unrepaired, offline) == (1, 0)
-    kept = [Final(1, ["the", "week."]), Final(2, ["Really."], 1)]  # offline ends the sentence there too
+    kept = [Final(1, "the week."), Final(2, "Really.", 1)]  # offline ends the sentence there too
     assert rejoined(kept, offline) == (1, 1)
-    assert rejoined([Final(1, ["the", "week."]), Final(2, ["Really."])], offline) == (0, 0)  # not a split
+    assert rejoined([Final(1, "the week."), Final(2, "Really.")], offline) == (0, 0)  # not a split
 
 
 @pytest.mark.slow

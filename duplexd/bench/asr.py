@@ -21,11 +21,11 @@ import numpy as np
 
 from duplexd.bench import write_result
 from duplexd.bench.data import wer
-from duplexd.bench.latency import Final, WordTiming, rejoined, withdrawn_words, word_timings
+from duplexd.bench.latency import WordTiming, rejoined, withdrawn_words, word_timings
 from duplexd.bench.server import health, server_process
 from duplexd.clients.clips import Clip, load_clips
 from duplexd.clients.stats import percentile
-from duplexd.clients.stream import read_audio, stream_pcm
+from duplexd.clients.stream import Final, read_audio, stream_pcm
 from duplexd.config import load_config
 from duplexd.events import Word
 
@@ -135,12 +135,9 @@ def _readability(results: list[Any], offline: list[list[Word]]) -> dict[str, Any
     withdrawn = final_words = splits = rejoins = 0
     for result, words in zip(results, offline, strict=True):
         partials = [(e["utterance"], [w["w"] for w in e["words"]]) for e in _events(result, "transcript.partial")]
-        finals = [
-            Final(e["utterance"], [w["w"] for w in e["words"]], e.get("continues"), _split(e.get("previous_text")))
-            for e in result.finals
-        ]
-        withdrawn += withdrawn_words(partials, {f.utterance: f.words for f in finals})
-        final_words += sum(len(f.words) for f in finals)
+        finals = [Final.of(e) for e in result.finals]
+        withdrawn += withdrawn_words(partials, {f.utterance: f.text.split() for f in finals})
+        final_words += sum(len(f.text.split()) for f in finals)
         n, ok = rejoined(finals, words)
         splits, rejoins = splits + n, rejoins + ok
     return {
@@ -151,10 +148,6 @@ def _readability(results: list[Any], offline: list[list[Word]]) -> dict[str, Any
 
 def _events(result: Any, kind: str) -> list[dict[str, Any]]:
     return [r.event for r in result.of_type(kind)]
-
-
-def _split(text: str | None) -> list[str] | None:
-    return None if text is None else text.split()
 
 
 def _frame_lag_p99(results: list[Any]) -> float | None:

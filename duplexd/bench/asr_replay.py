@@ -22,8 +22,9 @@ from duplexd.asr.engine import AsrEngine, Transcription
 from duplexd.asr.streaming import PassRequest
 from duplexd.asr.vad import SileroVad
 from duplexd.bench.data import wer
-from duplexd.bench.latency import Final, joined_texts, rejoined, withdrawn_words
+from duplexd.bench.latency import rejoined, withdrawn_words
 from duplexd.clients.stats import percentile
+from duplexd.clients.stream import Final, joined
 from duplexd.events import TranscriptUpdated, UtteranceFinalized, Word
 from duplexd.streaming.session import Session, SessionConfig
 
@@ -44,13 +45,13 @@ class Replayed:
 
     @property
     def text(self) -> str:
-        return " ".join(" ".join(words) for words in joined_texts(self.as_read()).values()).strip()
+        return joined(self.as_read())
 
     def as_read(self) -> list[Final]:
-        def texts(words: tuple[Word, ...] | None) -> list[str] | None:
-            return None if words is None else [w.text for w in words]
+        def text(words: tuple[Word, ...] | None) -> str | None:
+            return None if words is None else " ".join(w.text for w in words)
 
-        return [Final(f.utterance, [w.text for w in f.words], f.continues, texts(f.previous)) for _, f in self.finals]
+        return [Final(f.utterance, f.text, f.continues, text(f.previous)) for _, f in self.finals]
 
     def flicker(self) -> tuple[int, int]:
         """(words shown then withdrawn, words finalized): see `withdrawn_words`."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from duplexd.asr.commit import norm
 from duplexd.clients.stats import percentile as percentile  # (re-exported: bench/replies.py imports it from here)
-from duplexd.clients.stream import StreamResult
+from duplexd.clients.stream import Final, StreamResult, as_read
 from duplexd.events import Word
 
 
@@ -88,41 +88,21 @@ def withdrawn_words(partials: Iterable[tuple[int, list[str]]], finals: dict[int,
 _SENTENCE_ENDS = (".", "?", "!", "…")
 
 
-@dataclass(frozen=True, slots=True)
-class Final:
-    """A `transcript.final` as a client reads it."""
-
-    utterance: int
-    words: list[str]
-    continues: int | None = None
-    previous: list[str] | None = None  # the continued utterance's words as they read joined (None: unchanged)
-
-
-def joined_texts(finals: list[Final]) -> dict[int, list[str]]:
-    """Each utterance's words as they read last (a continuation may repair the end of the one before)."""
-    words: dict[int, list[str]] = {}
-    for f in finals:
-        if f.previous is not None and f.continues in words:
-            words[f.continues] = f.previous
-        words[f.utterance] = f.words
-    return words
-
-
 def rejoined(finals: list[Final], offline: list[Word]) -> tuple[int, int]:
     """(utterances split at a pause that the speaker continued, how many of those joins read as the offline
     transcript of the same audio reads there). A join reads right when the last word before it ends a
     sentence exactly when the offline word does (the pair of words found next to each other offline); a
     join whose pair the offline transcript does not hold is judged as one sentence."""
-    texts = joined_texts(finals)
+    texts = {utterance: text.split() for utterance, text in as_read(finals).items()}
     pairs = zip(offline, offline[1:], strict=False)
     reference = [(norm(a.text), norm(b.text), a.text.endswith(_SENTENCE_ENDS)) for a, b in pairs]
     splits = ok = 0
     for f in finals:
         before = texts.get(f.continues) if f.continues is not None else None
-        if not before or not f.words:
+        if not before or not f.text:
             continue
         splits += 1
-        last, first = before[-1], f.words[0]
+        last, first = before[-1], f.text.split()[0]
         ends = last.endswith(_SENTENCE_ENDS)
         offline_ends = next((e for a, b, e in reference if a == norm(last) and b == norm(first)), False)
         ok += ends == offline_ends

@@ -7,7 +7,7 @@ import json
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,14 +56,38 @@ class StreamResult:
 
     @property
     def text(self) -> str:
-        """The finals joined, each utterance as it reads last: a final that continues an earlier one
-        (`continues`) may repair how that one ends (`previous_text`)."""
-        texts: dict[int, str] = {}
-        for final in self.finals:
-            if "previous_text" in final and final.get("continues") in texts:
-                texts[final["continues"]] = final["previous_text"]
-            texts[final["utterance"]] = final["text"]
-        return " ".join(t for t in texts.values() if t).strip()  # (an utterance can end with no words)
+        """The finals joined, each utterance as it reads last (`joined`)."""
+        return joined(Final.of(event) for event in self.finals)
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    """A `transcript.final` as a client reads it."""
+
+    utterance: int
+    text: str
+    continues: int | None = None  # the utterance this one goes on with
+    previous_text: str | None = None  # that one as it reads joined ("best." -> "best"; None: unchanged)
+
+    @classmethod
+    def of(cls, event: dict[str, Any]) -> Final:
+        return cls(event["utterance"], event["text"], event.get("continues"), event.get("previous_text"))
+
+
+def as_read(finals: Iterable[Final]) -> dict[int, str]:
+    """Each utterance's text as it reads last: a final that continues an earlier one may repair how that
+    one ends ("Sunday is the best." | "part of the week." reads "Sunday is the best part of the week.")."""
+    texts: dict[int, str] = {}
+    for final in finals:
+        if final.previous_text is not None and final.continues in texts:
+            texts[final.continues] = final.previous_text
+        texts[final.utterance] = final.text
+    return texts
+
+
+def joined(finals: Iterable[Final]) -> str:
+    """The finals as one text, each utterance as it reads last (`as_read`)."""
+    return " ".join(text for text in as_read(finals).values() if text)  # (an utterance can end with no words)
 
 
 class SessionRefused(RuntimeError):
@@ -330,7 +354,7 @@ class Sentences:
 
     def __init__(self, hold_s: float = _HOLD_S) -> None:
         self.hold_s = hold_s
-        self._held: list[tuple[int, str]] = []  # the utterances of the line held, each as it reads last
+        self._held: list[Final] = []  # the finals of the line held
         self._quiet_since = 0.0  # when the held final came, or speech last stopped after it
         self._speaking = False
         self._later = False  # a later utterance was shown: its final decides
@@ -340,18 +364,16 @@ class Sentences:
         out: list[str] = []
         held = self._held
         if kind == "transcript.final":
-            if held and event.get("continues") == held[-1][0]:
-                if "previous_text" in event:
-                    held[-1] = (held[-1][0], event["previous_text"])
-            else:
+            final = Final.of(event)
+            if not held or final.continues != held[-1].utterance:
                 out = self.flush()
-            self._held.append((event["utterance"], event["text"]))
+            self._held.append(final)
             self._quiet_since, self._later = got.t, False
         elif kind == "vad.speech_started":
             self._speaking = True
         elif kind == "vad.speech_stopped":
             self._speaking, self._quiet_since = False, got.t
-        elif kind == "transcript.partial" and held and event["utterance"] > held[-1][0]:
+        elif kind == "transcript.partial" and held and event["utterance"] > held[-1].utterance:
             self._later = True
         elif kind == "session.ended":
             return self.flush()
@@ -362,8 +384,8 @@ class Sentences:
 
     @property
     def held(self) -> str:
-        """The line held so far (it may go on)."""
-        return " ".join(text for _, text in self._held if text)  # (an utterance can end with no words)
+        """The line held so far (it may go on), each utterance as it reads joined."""
+        return joined(self._held)
 
     def flush(self) -> list[str]:
         line = self.held
