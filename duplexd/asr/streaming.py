@@ -127,6 +127,7 @@ class StreamingTranscriber:
         self._window_start = 0
         self._decoded_until = 0
         self._opened_at = 0  # where the open utterance's window began (its final pass may decide all its words)
+        self._stretch_start = 0  # where the utterances the open one continues began (the prompt's reach)
         self._final_end: int | None = None
         self._voiced_end_s: float | None = None  # where VAD last heard speech in the open utterance
         self._resumable: _Resumable | None = None  # the last final, while speech may continue it
@@ -220,6 +221,8 @@ class StreamingTranscriber:
         else:
             self._resumable = None
         self._window_start = self._decoded_until = self._opened_at = start
+        if not continues:
+            self._stretch_start = start
         self._final_end = None
         self._voiced_end_s = None
         self._next = None
@@ -438,7 +441,7 @@ class StreamingTranscriber:
         start = max(self._ring.start, onset, context_end, committed_end)
         if self._final_end is not None:
             start = min(start, self._final_end)
-        self._window_start = self._decoded_until = start
+        self._window_start = self._decoded_until = self._stretch_start = start
         self._agreement.reset()
 
     def _after_context(self, words: list[Word]) -> list[Word]:
@@ -538,9 +541,17 @@ class StreamingTranscriber:
 
     def _prompt_text(self) -> str:
         """The last `prompt_chars` characters of the committed text that precedes the window (text whose
-        audio is in the window would make the decoder skip that audio), from a word boundary."""
+        audio is in the window would make the decoder skip that audio), from a word boundary, in the same
+        stretch of speech: the open utterance's own words trimmed out of its window, and where it continues
+        the utterance before (speech that resumed within `continue_gap_s`), the words of the utterances it
+        continues. An utterance of its own is decoded without a prompt: after a longer silence the text
+        before is as often another topic or another voice, and tiny.en read the new speech in its light
+        (after other clips, clip21's "seat belts" came out "seatbelts", which the clip alone reads right;
+        docs/benchmarks.md, "An utterance of its own has no prompt")."""
         before_s = self._window_start / ASR_SAMPLE_RATE + 1e-6
-        words = [w.text for w in (*self._said, *self._committed) if w.end_s <= before_s]
+        since_s = self._stretch_start / ASR_SAMPLE_RATE - 1e-6
+        said = [w for w in self._said if w.start_s >= since_s]
+        words = [w.text for w in (*said, *self._committed) if w.end_s <= before_s]
         if self._continues is not None:
             words = _without_fragment(words)
         text = ""

@@ -184,12 +184,14 @@ def test_speech_stopped_then_final_pass_finalizes_everything() -> None:
     # No new utterance is open: audio alone asks for no pass.
     assert feed(t, 3.0) == []
     assert not t.wants_pass()
-    # The next utterance is numbered 2 and conditioned on what was said.
+    # The next utterance, 3 s later, is numbered 2 and is one of its own: it is decoded without a prompt
+    # (behaviour changed on purpose: prompted with what was said before a silence, tiny.en read unrelated
+    # speech in its light; a continuation is still prompted, below: "I said").
     t.speech_started(t.samples / SR)
     feed(t, 0.256)
     request = t.prepare_pass()
     assert request.generation == 2
-    assert request.prompt == "hello world again friend"
+    assert request.prompt == ""
     (e,) = t.apply_pass(request, result([("next", 0.0, 0.2)]))
     assert (e.utterance, texts(e.words)) == (2, ["next"])
 
@@ -428,6 +430,7 @@ def test_window_never_exceeds_max_window_and_nothing_is_lost(segment_s: float, p
             last = int(r.prompt.split()[-1][1:])
             assert r.start_sample / SR - STEP <= last * STEP + 0.3 <= r.start_sample / SR + 1e-3
     assert any(r.start_sample > 0 for r in requests)  # the window did slide
+    assert all(r.prompt for r in requests if r.start_sample >= SR)  # (with the utterance's own words before it)
     assert requests[-1].final
     assert not [e for e in events if isinstance(e, ErrorRaised)]
     (final,) = [e for e in events if isinstance(e, UtteranceFinalized)]
@@ -625,6 +628,34 @@ def test_a_continuation_is_decoded_from_the_last_words_before_the_pause_at_a_wor
     assert request.start_sample == int(1.6 * SR)
     np.testing.assert_allclose(request.audio[:3], np.arange(1.6 * SR, 1.6 * SR + 3) / 1e6)  # the ring kept it
     assert request.prompt == "I said"  # only text whose audio is not in the window (else it is skipped)
+
+
+def test_a_continuations_prompt_reaches_back_only_to_where_its_stretch_of_speech_began() -> None:
+    # "Far away." then 2.8 s of silence: "I said Sunday is the best." is an utterance of its own, and the
+    # speaker goes on with it. The continuation is prompted with what its window does not hold of that
+    # stretch ("I said"), not with the sentence before the silence (another topic, or another voice).
+    t = StreamingTranscriber(AsrConfig())
+    feed(t, 0.2)
+    t.speech_started(0.2)
+    feed(t, 1.0)
+    t.speech_stopped(1.2, voiced_end_s=1.0)
+    request = t.prepare_pass()
+    (far,) = t.apply_pass(request, at_stream_times(request, [("Far", 0.3, 0.6), ("away.", 0.7, 1.0)]))
+    assert isinstance(far, UtteranceFinalized)
+    feed(t, 4.0 - t.samples / SR)
+    t.speech_started(4.0)
+    feed(t, 2.2)
+    t.speech_stopped(6.2, voiced_end_s=6.05)
+    request = t.prepare_pass()
+    assert request.prompt == ""  # (an utterance of its own)
+    (sunday,) = t.apply_pass(request, at_stream_times(request, [(w, a + 4.0, b + 4.0) for w, a, b in SUNDAY]))
+    assert isinstance(sunday, UtteranceFinalized)
+    feed(t, 0.1)
+    t.speech_started(6.3, continues=True)
+    feed(t, 1.0)
+    request = t.prepare_pass()
+    assert request.start_sample == int(4.6 * SR)  # (its window from the end of "said": "Sunday is the best.")
+    assert request.prompt == "I said"
 
 
 def test_a_continuation_tells_its_words_from_the_context_by_text_not_by_time() -> None:
