@@ -48,6 +48,18 @@ def test_a_join_reads_right_when_its_sentence_end_matches_the_offline_transcript
     assert rejoined([Final(1, "the week."), Final(2, "Really.")], offline) == (0, 0)  # not a split
 
 
+def test_the_sweeps_programs_are_what_bench_peer_streams_at_one_stream(clips) -> None:
+    from duplexd.bench.asr_sweep import programs
+    from duplexd.bench.peer import STREAM_S
+
+    said = [c for c in clips if c.text]
+    (first, pcm1, ref1), (second, pcm2, ref2) = programs(said, 2)
+    assert (first, second) == ("program1", "program2")
+    assert len(pcm1) / 16_000 >= STREAM_S and len(pcm2) / 16_000 >= STREAM_S  # (clips 1 s apart until 40 s)
+    k = next(k for k in range(1, len(said) + 1) if ref1 == " ".join(c.text or "" for c in said[:k]))
+    assert ref2.startswith(said[k].text or "")  # (the second starts where the first ended)
+
+
 @pytest.mark.slow
 def test_the_replay_rejoins_a_sentence_split_at_its_pauses(engines, clip_by_name) -> None:
     from duplexd.asr.vad import SileroVad

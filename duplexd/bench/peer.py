@@ -43,6 +43,7 @@ from duplexd.events import Word
 from duplexd.netutil import free_port
 
 MAX_WORD_LATENCY_P90_S = 2.0
+STREAM_S = 40.0  # seconds of speech per program (about 90 words)
 CHUNK_S = 0.02  # 20 ms of float32 audio per message, paced as duplexd's own client paces its frames
 
 
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "--data", type=Path, default=None, help="speech clips (default $DUPLEXD_TEST_DATA or ../shared/data)"
     )
     p.add_argument("--streams", default="1,2,4,8")
-    p.add_argument("--stream-s", type=float, default=40.0, help="seconds of speech per stream")
+    p.add_argument("--stream-s", type=float, default=STREAM_S, help="seconds of speech per stream")
     p.add_argument("--rounds", type=int, default=1, help="programs per stream and level, one after another")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
