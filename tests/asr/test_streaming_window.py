@@ -599,13 +599,14 @@ SUNDAY += [("best.", 1.6, 2.0)]
 CONTEXT = [(w, a + 1.0, b + 1.0) for w, a, b in SUNDAY[2:]]  # "Sunday is the best." at stream times
 
 
-def _sunday_said() -> StreamingTranscriber:
-    """ "I said Sunday is the best." said from 1.1 s to 3.0 s, its end of speech at the pause at 3.2 s."""
-    t = StreamingTranscriber(AsrConfig())
-    feed(t, 1.0)
-    t.speech_started(1.0)
+def _sunday_said(t: StreamingTranscriber | None = None, at_s: float = 1.0) -> StreamingTranscriber:
+    """ "I said Sunday is the best." said from 1.1 s to 3.0 s, its end of speech at the pause at 3.2 s (all
+    `at_s - 1.0` later, after what `t` heard)."""
+    t = t or StreamingTranscriber(AsrConfig())
+    feed(t, at_s - t.samples / SR)
+    t.speech_started(at_s)
     feed(t, 2.2)
-    t.speech_stopped(3.2, voiced_end_s=3.05)
+    t.speech_stopped(at_s + 2.2, voiced_end_s=at_s + 2.05)
     return t
 
 
@@ -642,13 +643,10 @@ def test_a_continuations_prompt_reaches_back_only_to_where_its_stretch_of_speech
     request = t.prepare_pass()
     (far,) = t.apply_pass(request, at_stream_times(request, [("Far", 0.3, 0.6), ("away.", 0.7, 1.0)]))
     assert isinstance(far, UtteranceFinalized)
-    feed(t, 4.0 - t.samples / SR)
-    t.speech_started(4.0)
-    feed(t, 2.2)
-    t.speech_stopped(6.2, voiced_end_s=6.05)
+    _sunday_said(t, at_s=4.0)
     request = t.prepare_pass()
     assert request.prompt == ""  # (an utterance of its own)
-    (sunday,) = t.apply_pass(request, at_stream_times(request, [(w, a + 4.0, b + 4.0) for w, a, b in SUNDAY]))
+    (sunday,) = t.apply_pass(request, result(SUNDAY))  # (its window from 4.0 s)
     assert isinstance(sunday, UtteranceFinalized)
     feed(t, 0.1)
     t.speech_started(6.3, continues=True)
