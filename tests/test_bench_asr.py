@@ -60,6 +60,15 @@ def test_the_sweeps_programs_are_what_bench_peer_streams_at_one_stream(clips) ->
     assert ref2.startswith(said[k].text or "")  # (the second starts where the first ended)
 
 
+def test_the_sweeps_table_compares_its_errors_with_offlines_over_the_same_runs() -> None:
+    from duplexd.bench.asr_sweep import table
+
+    # (offline's errors are counted once per run too: 2 programs x 2 clocks, 3 and 4 errors offline)
+    totals = {"runs": 4, "errors": 13, "words": 400, "offline_errors": 14, "context_drops": 1, "finals_with_bang": 0}
+    assert table({"totals": totals}).splitlines()[-1] == "| 4 | 13 (400) | 14 | 0.93 | 1 | 0 |"
+    assert "| - |" in table({"totals": totals | {"offline_errors": 0}})
+
+
 @pytest.mark.slow
 def test_the_replay_rejoins_a_sentence_split_at_its_pauses(engines, clip_by_name) -> None:
     from duplexd.asr.vad import SileroVad
