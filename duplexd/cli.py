@@ -508,6 +508,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="asr: with --replay, replay again with each pass taking the fitted cost times each factor, "
         "e.g. 0.6,0.8,1,1.2 (WER over several pass clocks)",
     )
+    p.add_argument(
+        "--programs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="asr: with --replay, also replay bench peer's first N one-stream programs (the clips 1 s apart) at "
+        "those clocks, against offline on the same audio (9: 814 words)",
+    )
     p.add_argument("--config", type=Path, default=None)
     p.add_argument("--duration", type=float, default=45.0, help="capacity/overload: seconds per load test")
     p.add_argument("--max-sessions", type=int, default=8, help="capacity, cluster: the largest N tried")

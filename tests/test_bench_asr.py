@@ -70,6 +70,27 @@ def test_the_sweeps_table_compares_its_errors_with_offlines_over_the_same_runs()
 
 
 @pytest.mark.slow
+def test_the_programs_replay_compares_the_clips_as_one_stream_with_offline_on_the_same_audio(engines, clips) -> None:
+    from duplexd.asr.vad import SileroVad
+    from duplexd.bench.asr import _replay_programs
+    from duplexd.bench.asr_sweep import programs
+    from duplexd.bench.data import as_said
+    from duplexd.streaming.session import SessionConfig
+
+    said = [c for c in clips if c.text]
+    # (the pass cost fitted on this 2-core machine, previews apart: a fixed clock, whatever its load)
+    fits = {False: {"fixed_s": 0.45, "per_window_s": 0.055}, True: {"fixed_s": 0.11, "per_window_s": 0.055}}
+    r = _replay_programs(said, 1, engines.asr, SileroVad(), SessionConfig(), fits, (1.0, 2.0))
+    ((_, _, ref),) = programs(said, 1)
+    assert r["programs"] == 1 and r["words"] == len(as_said(ref)) > 50  # (several clips, read as one stream)
+    assert r["wer_offline"] < 0.1 and all(w < 0.1 for w in r["wer_by_clock"].values())
+    assert set(r["wer_by_clock"]) == {"1.0", "2.0"}
+    assert r["wer_mean_over_clocks"] == sum(r["wer_by_clock"].values()) / 2
+    if r["wer_offline"]:
+        assert r["wer_ratio_streaming_over_offline"] == r["wer_mean_over_clocks"] / r["wer_offline"]
+
+
+@pytest.mark.slow
 def test_the_replay_rejoins_a_sentence_split_at_its_pauses(engines, clip_by_name) -> None:
     from duplexd.asr.vad import SileroVad
     from duplexd.bench.asr_replay import replay_clips

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,11 @@ from duplexd.clients.stats import percentile
 from duplexd.clients.stream import Final, read_audio, stream_pcm
 from duplexd.config import load_config
 from duplexd.events import Word
+
+if TYPE_CHECKING:
+    from duplexd.asr.engine import AsrEngine
+    from duplexd.asr.vad import SileroVad
+    from duplexd.streaming.session import SessionConfig
 
 RATE = 16_000
 GAP_S = 1.0
@@ -163,14 +168,15 @@ def _growth(timings: list[WordTiming], duration_s: float) -> float | None:
 
 
 def _replays(
-    clips: list[Clip], config_path: Path | None, models: list[str], clocks: tuple[float, ...] = ()
+    clips: list[Clip], config_path: Path | None, models: list[str], clocks: tuple[float, ...] = (), n_programs: int = 0
 ) -> dict[str, Any]:
     """Each model (`[asr] model` values; "" the bundled tiny.en) over the clips in this process, virtual
     time, each pass taking its own wall time (`bench.asr_replay`): accuracy, flicker, joins, latency and
     the pass cost, side by side in one run. `clocks`: the replay again with every pass taking the fitted
     cost times each factor. Where one run's passes happen to fall decides a word now and then (a name's
     spelling, "so" or "sew", changes with 0.3 s more audio in the window, offline too); WER over several
-    clocks is less at the mercy of that."""
+    clocks is less at the mercy of that. `n_programs`: also `bench peer`'s first one-stream programs
+    (`_replay_programs`)."""
     import dataclasses
 
     from duplexd.asr.engine import FasterWhisperEngine
@@ -202,8 +208,8 @@ def _replays(
         lead_mean = sum(by_lead.values()) / len(by_lead)
         result["wer_offline_by_lead"] = by_lead
         result["wer_ratio_over_offline_lead_mean"] = result["wer"] / lead_mean if lead_mean else None
+        fits = {False: result["pass_cost"], True: result["preview_pass_cost"] or result["pass_cost"]}
         if clocks:
-            fits = {False: result["pass_cost"], True: result["preview_pass_cost"] or result["pass_cost"]}
             by_clock = {
                 str(k): replay_clips(
                     clips_in,
@@ -218,8 +224,57 @@ def _replays(
             result["wer_by_clock"] = by_clock
             result["wer_mean_over_clocks"] = mean
             result["wer_ratio_mean_over_clocks"] = mean / result["wer_offline"] if result["wer_offline"] else None
+        if n_programs:
+            print(f"replay: {engine.name} over {n_programs} programs ...", flush=True)
+            result["programs"] = _replay_programs(clips, n_programs, engine, vad, session, fits, clocks or (1.0,))
         out[model or "tiny.en"] = result
     return out
+
+
+def _replay_programs(
+    clips: list[Clip],
+    n: int,
+    engine: AsrEngine,
+    vad: SileroVad,
+    session: SessionConfig,
+    fits: dict[bool, dict[str, Any]],
+    clocks: tuple[float, ...],
+) -> dict[str, Any]:
+    """The first `n` programs `bench peer` streams at one stream (the clips end to end, 1 s apart, ~40 s
+    each), replayed at each clock (the fitted pass costs times the factor) and transcribed offline whole:
+    the streaming/offline ratio over the clips as one stream of speech, where nine programs hold 814 words
+    against the clips' 241, so one word moves it by about 0.04 instead of 0.2."""
+    from duplexd.bench.asr_replay import replay
+    from duplexd.bench.asr_sweep import programs
+    from duplexd.bench.data import as_said
+
+    items = programs(clips, n)
+    refs = [ref for _, _, ref in items]
+    offline = wer(
+        refs,
+        [
+            " ".join(w.text for w in engine.transcribe_offline(pcm.astype(np.float32) / 32768.0).words)
+            for _, pcm, _ in items
+        ],
+    )
+
+    def at(k: float) -> Callable[[float, float, bool], float]:
+        return lambda window_s, _wall, preview: (
+            k * (fits[preview]["fixed_s"] + fits[preview]["per_window_s"] * window_s)
+        )
+
+    by_clock = {
+        str(k): wer(refs, [replay(pcm, engine, vad, session, at(k)).text for _, pcm, _ in items]) for k in clocks
+    }
+    mean = sum(by_clock.values()) / len(by_clock)
+    return {
+        "programs": len(items),
+        "words": sum(len(as_said(r)) for r in refs),
+        "wer_offline": offline,
+        "wer_by_clock": by_clock,
+        "wer_mean_over_clocks": mean,
+        "wer_ratio_streaming_over_offline": mean / offline if offline else None,
+    }
 
 
 def run(
@@ -230,6 +285,7 @@ def run(
     per_clip: bool = True,
     replay_models: list[str] | None = None,
     clocks: tuple[float, ...] = (),
+    n_programs: int = 0,
 ) -> dict[str, Any]:
     clips = [c for c in load_clips(data) if c.text]
     if quick:
@@ -247,7 +303,7 @@ def run(
         "offline_rtf": offline_busy / audio_s,
     }
     if replay_models:
-        out["replay"] = _replays(clips, config_path, replay_models, clocks)
+        out["replay"] = _replays(clips, config_path, replay_models, clocks, n_programs)
     if not per_clip and not streams:
         return out
     with server_process(config_path) as port:
@@ -336,6 +392,13 @@ def table(r: dict[str, Any]) -> str:
                 f"replay {model} over pass clocks: WER {each}; mean {f(x['wer_mean_over_clocks'])} "
                 f"(ratio {f(x['wer_ratio_mean_over_clocks'])})"
             )
+        if "programs" in x:
+            g = x["programs"]
+            each = ", ".join(f"x{k} {f(v)}" for k, v in g["wer_by_clock"].items())
+            lines.append(
+                f"replay {model} over bench peer's first {g['programs']} programs ({g['words']} words): WER {each}; "
+                f"offline {f(g['wer_offline'])} (ratio {f(g['wer_ratio_streaming_over_offline'])})"
+            )
     if "wer_streaming" in r:
         lines += [
             f"WER streaming {f(r['wer_streaming'])} vs offline {f(r['wer_offline'])} "
@@ -367,7 +430,14 @@ def main(args: argparse.Namespace) -> int:
     )
     clocks = tuple(float(k) for k in (args.clocks or "").split(",") if k)
     result = run(
-        args.data, args.config, args.quick, streams, per_clip=not args.no_per_clip, replay_models=models, clocks=clocks
+        args.data,
+        args.config,
+        args.quick,
+        streams,
+        per_clip=not args.no_per_clip,
+        replay_models=models,
+        clocks=clocks,
+        n_programs=args.programs,
     )
     write_result(args.out, result, table(result))
     return 0
