@@ -116,7 +116,7 @@ def test_a_sentence_said_with_breaths_longer_than_vads_hangover_reads_as_one(eng
     # Decoded alone, the third phrase came out "Like your country" (three short windows agreed on "Like")
     # and the finals read "Americans. Ask not! Like your can do for you!".
     from duplexd.asr.vad import SileroVad
-    from duplexd.bench.asr_replay import replay
+    from duplexd.bench.asr_replay import fixed_clock, replay
     from duplexd.clients.stream import read_audio
     from duplexd.config import AsrConfig
     from duplexd.streaming.session import SessionConfig
@@ -127,7 +127,7 @@ def test_a_sentence_said_with_breaths_longer_than_vads_hangover_reads_as_one(eng
         engines.asr,
         SileroVad(),
         SessionConfig(asr=AsrConfig(continue_gap_s=1.0)),
-        lambda window_s, _wall, _preview: clock[0] + clock[1] * window_s,
+        fixed_clock(clock),
     )
     finals = [f for _, f in r.finals]
     assert len(finals) >= 3 and all(f.continues == finals[i].utterance for i, f in enumerate(finals[1:]))
@@ -171,7 +171,7 @@ def test_a_sentence_resumed_after_a_pause_does_not_read_as_a_title(
     # 0.4 s pause is inside VAD's hangover, a 0.6 s one is not).
     from duplexd.asr.vad import SileroVad
     from duplexd.bench import scenarios as sc
-    from duplexd.bench.asr_replay import replay
+    from duplexd.bench.asr_replay import fixed_clock, replay
     from duplexd.config import AsrConfig
     from duplexd.streaming.session import SessionConfig
 
@@ -183,7 +183,7 @@ def test_a_sentence_resumed_after_a_pause_does_not_read_as_a_title(
         engines.asr,
         SileroVad(),
         SessionConfig(asr=AsrConfig(continue_gap_s=continue_gap_s)),
-        lambda window_s, _wall, _preview: clock[0] + clock[1] * window_s,
+        fixed_clock(clock),
     )
     finals = [f for _, f in r.finals]
     assert len(finals) >= 2 and finals[-1].continues is not None  # (finalized at the pause, then continued)

@@ -216,7 +216,7 @@ def _replays(
                     engine,
                     vad,
                     session,
-                    pass_cost={p: (k * c["fixed_s"], k * c["per_window_s"]) for p, c in fits.items()},
+                    pass_cost=_scaled(fits, k),
                 )["wer"]
                 for k in clocks
             }
@@ -244,7 +244,7 @@ def _replay_programs(
     each), replayed at each clock (the fitted pass costs times the factor) and transcribed offline whole:
     the streaming/offline ratio over the clips as one stream of speech, where nine programs hold 814 words
     against the clips' 241, so one word moves it by about 0.04 instead of 0.2."""
-    from duplexd.bench.asr_replay import replay
+    from duplexd.bench.asr_replay import fixed_clock, replay
     from duplexd.bench.asr_sweep import programs
     from duplexd.bench.data import as_said
 
@@ -258,13 +258,11 @@ def _replay_programs(
         ],
     )
 
-    def at(k: float) -> Callable[[float, float, bool], float]:
-        return lambda window_s, _wall, preview: (
-            k * (fits[preview]["fixed_s"] + fits[preview]["per_window_s"] * window_s)
-        )
-
     by_clock = {
-        str(k): wer(refs, [replay(pcm, engine, vad, session, at(k)).text for _, pcm, _ in items]) for k in clocks
+        str(k): wer(
+            refs, [replay(pcm, engine, vad, session, fixed_clock(_scaled(fits, k))).text for _, pcm, _ in items]
+        )
+        for k in clocks
     }
     mean = sum(by_clock.values()) / len(by_clock)
     return {
@@ -275,6 +273,11 @@ def _replay_programs(
         "wer_mean_over_clocks": mean,
         "wer_ratio_streaming_over_offline": mean / offline if offline else None,
     }
+
+
+def _scaled(fits: dict[bool, dict[str, Any]], k: float) -> dict[bool, tuple[float, float]]:
+    """The fitted pass costs (by kind: False full passes, True previews) times `k`, as `pass_cost`."""
+    return {p: (k * c["fixed_s"], k * c["per_window_s"]) for p, c in fits.items()}
 
 
 def run(

@@ -136,6 +136,19 @@ def fit_pass_cost(costs: list[tuple[float, float]]) -> tuple[float, float]:
     return float(fixed), float(per_s)
 
 
+def fixed_clock(
+    pass_cost: tuple[float, float] | dict[bool, tuple[float, float]],
+) -> Callable[[float, float, bool], float]:
+    """`replay`'s `pass_s` where a pass takes `pass_cost` ((fixed, per second of window), for every pass or
+    by kind: False full passes, True previews), whatever its wall time."""
+
+    def cost(window_s: float, _wall: float, preview: bool) -> float:
+        fixed, per_s = pass_cost[preview] if isinstance(pass_cost, dict) else pass_cost
+        return fixed + per_s * window_s
+
+    return cost
+
+
 def replay_clips(
     clips: list[tuple[np.ndarray, str, list[Word]]],
     engine: AsrEngine,
@@ -150,12 +163,7 @@ def replay_clips(
     Also the pass costs fitted from the measured passes (`pass_cost`: full passes; `preview_pass_cost`,
     where there were any)."""
 
-    def cost(window_s: float, _wall: float, preview: bool) -> float:
-        assert pass_cost is not None
-        fixed, per_s = pass_cost[preview] if isinstance(pass_cost, dict) else pass_cost
-        return fixed + per_s * window_s
-
-    clock = None if pass_cost is None else cost
+    clock = None if pass_cost is None else fixed_clock(pass_cost)
     texts: list[str] = []
     withdrawn = final_words = splits = rejoins = 0
     latencies: list[float] = []

@@ -42,12 +42,12 @@ SHIFTS = (0.0, 0.03, 0.07, 0.1, 0.15)
 
 def pass_clock(factor: float, shift_s: float) -> Callable[[float, float, bool], float]:
     """How long a pass takes in stream time (`bench.asr_replay.replay`'s `pass_s`) at one sweep clock."""
-    full, preview = FIXED_S * factor + shift_s, PREVIEW_FIXED_S * factor + shift_s / 3
+    from duplexd.bench.asr_replay import fixed_clock
 
-    def cost(window_s: float, _wall: float, is_preview: bool) -> float:
-        return (preview if is_preview else full) + PER_S * factor * window_s
-
-    return cost
+    per_s = PER_S * factor
+    return fixed_clock(
+        {False: (FIXED_S * factor + shift_s, per_s), True: (PREVIEW_FIXED_S * factor + shift_s / 3, per_s)}
+    )
 
 
 def programs(clips: list[Clip], n: int) -> list[tuple[str, np.ndarray, str]]:
